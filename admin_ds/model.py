@@ -1,0 +1,323 @@
+"""The encoder-decoder Transformer, on one device, in the order data flows through it.
+
+fairseq-compatible: scaled token embeddings plus sinusoidal positions, shared source/target/output
+embeddings over a joint vocabulary, Post-LN (or Pre-LN) layers, ReLU FFN, decoder input starting
+with EOS. Residual connections, LayerNorm placement and initialisation come from an ``InitScheme``
+(init.py), because they are the experiment: Post-LN, Pre-LN, Admin, DeepNorm and T-Fixup differ
+there and nowhere else.
+
+Shapes:  B batch, S source length, T target length, D model_dim, H heads, Dh = D / H,
+         F ffn_inner_dim, V vocabulary. Activations are batch-first (B, T, D).
+
+This file imports torch and residual.py only: no deepspeed, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from admin_ds.config import ModelConfig
+from admin_ds.residual import Residual
+
+# --------------------------------------------------------------------------------------------
+# Embeddings
+# --------------------------------------------------------------------------------------------
+
+
+def sinusoidal_table(num_positions: int, dim: int, pad_idx: int) -> torch.Tensor:
+    """fairseq's SinusoidalPositionalEmbedding table: sin half then cos half (not interleaved);
+    the row at pad_idx is zero so padding gets no position."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))
+    angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    table[pad_idx] = 0.0
+    return table
+
+
+def make_positions(tokens: torch.Tensor, pad_idx: int, offset: int = 0) -> torch.Tensor:
+    """Position ids pad_idx+1, pad_idx+2, ... for real tokens, pad_idx for padding (fairseq).
+    Counting only real tokens makes positions independent of how much padding a batch has."""
+    real = tokens.ne(pad_idx).long()
+    return (torch.cumsum(real, dim=1) + offset) * real + pad_idx
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding scaled by sqrt(D), plus sinusoidal positions.
+
+    The same module also projects decoder states back to the vocabulary when embeddings are tied,
+    so under ZeRO-3 and in the pipeline the shared weight has a single owner.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.pad_idx = cfg.pad_idx
+        self.scale = math.sqrt(cfg.model_dim)
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.model_dim))
+        # Not persistent: a pure function of the config, so checkpoints stay small and a table
+        # computed in float32 is never saved in bf16.
+        self.register_buffer(
+            "positions", sinusoidal_table(cfg.max_positions + cfg.pad_idx + 1, cfg.model_dim, cfg.pad_idx),
+            persistent=False)
+
+    def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        """(B, L) int64 -> (B, L, D). position_offset > 0 during incremental decoding."""
+        max_positions = self.positions.size(0) - self.pad_idx - 1
+        if position_offset + tokens.size(1) > max_positions:  # a shape check: no device sync
+            raise ValueError(f"sequence of length {position_offset + tokens.size(1)} exceeds "
+                             f"model.max_positions={max_positions}")
+        pos = make_positions(tokens, self.pad_idx, position_offset)
+        x = F.embedding(tokens, self.weight, self.pad_idx) * self.scale
+        # The table is a float32 constant: cast it, or a bf16 engine fails on the add (DS notes 6).
+        return x + self.positions[pos].to(x.dtype)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, T, V) with the tied weight."""
+        return F.linear(x, self.weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+
+class IncrementalState(dict):
+    """Cached keys/values for step-by-step decoding, keyed by attention module.
+
+    Self-attention appends one position per step; encoder-attention keys/values are computed once
+    from the encoder output. ``reorder`` follows beam search's choice of surviving hypotheses.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0  # target positions already decoded
+
+    def reorder(self, order: torch.Tensor) -> None:
+        for cache in self.values():
+            for name in cache:
+                cache[name] = cache[name].index_select(0, order)
+
+
+class MultiheadAttention(nn.Module):
+    """Scaled dot-product attention with separate Q, K, V projections (fairseq names, so input-side
+    weights can be rescaled one by one when omega is folded: encoder-attention divides Q only).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.model_dim
+        self.num_heads = cfg.num_heads
+        self.dropout_p = cfg.attention_dropout_p
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D) -> (B, H, L, Dh)
+        b, l, d = x.shape
+        return x.view(b, l, self.num_heads, d // self.num_heads).transpose(1, 2)
+
+    def forward(self, query: torch.Tensor, memory: Optional[torch.Tensor] = None,
+                key_padding_mask: Optional[torch.Tensor] = None, causal: bool = False,
+                state: Optional[IncrementalState] = None) -> torch.Tensor:
+        """query (B, T, D); memory (B, S, D) for encoder-attention, None for self-attention;
+        key_padding_mask (B, S) bool, True at padding. With ``state``, ``query`` holds only the
+        newest target position(s) and keys/values come from (and go to) the cache."""
+        q = self._heads(self.q_proj(query))
+        cache = None if state is None else state.setdefault(id(self), {})
+        if memory is not None and cache is not None and "k" in cache:
+            k, v = cache["k"], cache["v"]  # encoder-attention: computed at the first step
+        else:
+            src = query if memory is None else memory
+            k, v = self._heads(self.k_proj(src)), self._heads(self.v_proj(src))
+            if cache is not None:
+                if memory is None and "k" in cache:
+                    k = torch.cat([cache["k"], k], dim=2)
+                    v = torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
+
+        mask = None
+        if key_padding_mask is not None:
+            mask = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, S), True = attend
+        # In a step the single new query may see every cached key, so causality needs no mask.
+        is_causal = causal and state is None
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.dropout_p if self.training else 0.0)
+        b, h, t, dh = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, h * dh))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.model_dim, cfg.ffn_inner_dim)
+        self.fc2 = nn.Linear(cfg.ffn_inner_dim, cfg.model_dim)
+        self.activation = F.relu if cfg.activation == "relu" else F.gelu
+        self.activation_dropout_p = cfg.activation_dropout_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.activation(self.fc1(x)), self.activation_dropout_p, self.training)
+        return self.fc2(h)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+
+
+class _SubLayers(nn.Module):
+    """What encoder and decoder layers share: one ``sublayer`` step for either norm order."""
+
+    norm_order: str
+    dropout_p: float
+
+    def sublayer(self, x: torch.Tensor, branch, norm: nn.Module, residual: Residual) -> torch.Tensor:
+        """Post-LN:  x_i = LN(res(x, drop(f(x))))     Pre-LN:  x_i = res(x, drop(f(LN(x))))"""
+        if self.norm_order == "post":
+            return norm(residual(x, F.dropout(branch(x), self.dropout_p, self.training)))
+        return residual(x, F.dropout(branch(norm(x)), self.dropout_p, self.training))
+
+
+class EncoderLayer(_SubLayers):
+    """Two sub-layers: self-attention, FFN. Post-LN residual path (the LN follows the sum)::
+
+        x ──┬── self_attn ── dropout ──┐             ──┬── fc1 ─ act ─ fc2 ── dropout ──┐
+            └──── omega * x ──────────(+)── LN ──...   └──── omega * x ────────────────(+)── LN ──>
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, scheme) -> None:
+        super().__init__()
+        d, base = cfg.model_dim, 2 * layer_idx
+        self.norm_order, self.dropout_p = cfg.norm_order, cfg.dropout_p
+        self.self_attn = MultiheadAttention(cfg)
+        self.self_attn_layer_norm = scheme.make_norm(d)
+        self.self_attn_residual = scheme.make_residual(d, "encoder", base + 1)
+        self.ffn = FeedForward(cfg)
+        self.final_layer_norm = scheme.make_norm(d)
+        self.ffn_residual = scheme.make_residual(d, "encoder", base + 2)
+
+    def forward(self, x: torch.Tensor, src_pad: Optional[torch.Tensor]) -> torch.Tensor:
+        x = self.sublayer(x, lambda h: self.self_attn(h, key_padding_mask=src_pad),
+                          self.self_attn_layer_norm, self.self_attn_residual)
+        return self.sublayer(x, self.ffn, self.final_layer_norm, self.ffn_residual)
+
+
+class DecoderLayer(_SubLayers):
+    """Three sub-layers: causal self-attention, encoder-attention, FFN. The encoder-attention's
+    shortcut is the decoder stream; keys and values read the encoder output ``enc``."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, scheme) -> None:
+        super().__init__()
+        d, base = cfg.model_dim, 3 * layer_idx
+        self.norm_order, self.dropout_p = cfg.norm_order, cfg.dropout_p
+        self.self_attn = MultiheadAttention(cfg)
+        self.self_attn_layer_norm = scheme.make_norm(d)
+        self.self_attn_residual = scheme.make_residual(d, "decoder", base + 1)
+        self.encoder_attn = MultiheadAttention(cfg)
+        self.encoder_attn_layer_norm = scheme.make_norm(d)
+        self.encoder_attn_residual = scheme.make_residual(d, "decoder", base + 2)
+        self.ffn = FeedForward(cfg)
+        self.final_layer_norm = scheme.make_norm(d)
+        self.ffn_residual = scheme.make_residual(d, "decoder", base + 3)
+
+    def forward(self, y: torch.Tensor, enc: torch.Tensor, src_pad: Optional[torch.Tensor],
+                state: Optional[IncrementalState] = None) -> torch.Tensor:
+        y = self.sublayer(y, lambda h: self.self_attn(h, causal=True, state=state),
+                          self.self_attn_layer_norm, self.self_attn_residual)
+        y = self.sublayer(y, lambda h: self.encoder_attn(h, enc, key_padding_mask=src_pad, state=state),
+                          self.encoder_attn_layer_norm, self.encoder_attn_residual)
+        return self.sublayer(y, self.ffn, self.final_layer_norm, self.ffn_residual)
+
+
+# --------------------------------------------------------------------------------------------
+# The sequence-to-sequence model
+# --------------------------------------------------------------------------------------------
+
+
+class EncoderDecoder(nn.Module):
+    """``model(src_tokens (B,S), tgt_in_tokens (B,T)) -> logits (B,T,V)``.
+
+    For decoding: ``enc, src_pad = model.encode(src)``, then repeatedly
+    ``model.decode(tokens (B,1), enc, src_pad, state)`` with one ``IncrementalState``.
+    """
+
+    def __init__(self, cfg: ModelConfig, scheme) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pad_idx = cfg.pad_idx
+        self.src_embed = TokenEmbedding(cfg)
+        # A shared matrix is registered once (src_embed) so every engine sees one parameter.
+        self.tgt_embed = None if cfg.share_all_embeddings else TokenEmbedding(cfg)
+        self.output_proj = None
+        if not cfg.share_all_embeddings and not cfg.share_decoder_input_output_embed:
+            self.output_proj = nn.Linear(cfg.model_dim, cfg.vocab_size, bias=False)
+        if cfg.embedding_output_scale:
+            self.src_embed_scale = nn.Parameter(torch.ones(cfg.model_dim))
+            self.tgt_embed_scale = nn.Parameter(torch.ones(cfg.model_dim))
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg, i, scheme) for i in range(cfg.num_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, i, scheme) for i in range(cfg.num_decoder_layers))
+        # Pre-LN needs a final LayerNorm per stack; Post-LN already ends in one.
+        pre = cfg.norm_order == "pre"
+        self.encoder_layer_norm = nn.LayerNorm(cfg.model_dim) if pre else None
+        self.decoder_layer_norm = nn.LayerNorm(cfg.model_dim) if pre else None
+        self.scheme = scheme
+        scheme.initialize(self)
+
+    @property
+    def target_embedding(self) -> TokenEmbedding:
+        return self.src_embed if self.tgt_embed is None else self.tgt_embed
+
+    def encode(self, src_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S) -> encoder output (B, S, D) and the padding mask (B, S), True at padding."""
+        src_pad = src_tokens.eq(self.pad_idx)
+        x = self.src_embed(src_tokens)
+        if self.cfg.embedding_output_scale:
+            x = x * self.src_embed_scale
+        x = F.dropout(x, self.cfg.dropout_p, self.training)
+        for layer in self.encoder_layers:
+            x = layer(x, src_pad)
+        if self.encoder_layer_norm is not None:
+            x = self.encoder_layer_norm(x)
+        return x, src_pad
+
+    def decode(self, tgt_in_tokens: torch.Tensor, enc: torch.Tensor, src_pad: torch.Tensor,
+               state: Optional[IncrementalState] = None) -> torch.Tensor:
+        """(B, T) target-side input -> logits (B, T, V). With ``state``, tgt_in_tokens holds only
+        the new position(s); their positions continue from ``state.length``."""
+        offset = 0 if state is None else state.length
+        y = self.target_embedding(tgt_in_tokens, position_offset=offset)
+        if self.cfg.embedding_output_scale:
+            y = y * self.tgt_embed_scale
+        y = F.dropout(y, self.cfg.dropout_p, self.training)
+        for layer in self.decoder_layers:
+            y = layer(y, enc, src_pad, state)
+        if self.decoder_layer_norm is not None:
+            y = self.decoder_layer_norm(y)
+        if state is not None:
+            state.length += tgt_in_tokens.size(1)
+        if self.output_proj is not None:
+            return self.output_proj(y)
+        return self.target_embedding.project(y)
+
+    def forward(self, src_tokens: torch.Tensor, tgt_in_tokens: torch.Tensor) -> torch.Tensor:
+        enc, src_pad = self.encode(src_tokens)
+        return self.decode(tgt_in_tokens, enc, src_pad)
+
+
+def build_model(cfg: ModelConfig) -> EncoderDecoder:
+    """Build the model of ``cfg`` with its initialisation scheme (init.py). Seed torch first for
+    reproducible weights."""
+    from admin_ds.init import get_init_scheme  # init.py imports this module's classes
+
+    return EncoderDecoder(cfg, get_init_scheme(cfg))
+
+
+def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
+    """Parameters counted once each (a tied embedding is one matrix)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
