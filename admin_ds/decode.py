@@ -1,0 +1,436 @@
+"""Decoding: greedy, beam search (fairseq ``SequenceGenerator`` semantics) and sampling, plus a
+batched ``translate`` over raw lines.
+
+Every search runs the decoder incrementally (one new position per step, past keys/values cached in
+an ``IncrementalState``), keeps the whole batch in one tensor, and drops sentences from the batch as
+soon as they are finished, so a long sentence never makes the short ones pay for its steps.
+
+Conventions (fairseq): ids bos 0, pad 1, eos 2, unk 3; the decoder's first input token is EOS;
+hypotheses are returned without their final EOS. The maximum output length of a sentence is
+``max_len_a * src_len + max_len_b`` real tokens (src_len counts its non-pad tokens, EOS included),
+capped at ``model max_positions - 1``; at that length EOS is forced. Scores are log-probabilities
+computed in float32 whatever the model's dtype.
+
+This file imports torch and model.py only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from admin_ds.model import IncrementalState
+
+__all__ = ["Hypothesis", "greedy", "beam_search", "sample", "translate", "make_batches"]
+
+NEG_INF = -math.inf
+
+
+@dataclass
+class Hypothesis:
+    """One finished hypothesis. ``tokens`` excludes the EOS; ``score`` is fairseq's normalized
+    score sum(log p) / len**lenpen with len counting the EOS; ``positional_scores`` has one
+    log-probability per output token, the EOS's last (len(tokens) + 1 entries)."""
+
+    tokens: list[int]
+    score: float
+    positional_scores: list[float] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _inference(model) -> Iterator[None]:
+    """model.eval() and inference_mode for the block; the training flag is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _specials(model) -> tuple[int, int, int, int]:
+    cfg = model.cfg
+    return cfg.bos_idx, cfg.pad_idx, cfg.eos_idx, cfg.unk_idx
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _max_lens(model, src: torch.Tensor, max_len_a: float, max_len_b: int) -> torch.Tensor:
+    """(B,) per-sentence max output length (real tokens, EOS excluded), as in fairseq:
+    int(a * src_len + b) capped so that decoder inputs fit into the model's positions."""
+    src_len = src.ne(model.cfg.pad_idx).sum(dim=1).double()
+    lens = (src_len * float(max_len_a) + float(max_len_b)).floor().long()
+    return lens.clamp(min=0, max=model.cfg.max_positions - 1)
+
+
+def _cross_keys(model) -> set[int]:
+    """Keys of the encoder-attention caches in an IncrementalState (the attention modules' ids).
+    Their entries are identical for every beam of one sentence, so a beam reorder can skip them;
+    an unknown model gives an empty set and every cache is reordered (always correct)."""
+    return {id(layer.encoder_attn) for layer in getattr(model, "decoder_layers", [])
+            if hasattr(layer, "encoder_attn")}
+
+
+def _reorder(state: IncrementalState, self_order: Optional[torch.Tensor],
+             cross_order: Optional[torch.Tensor], cross_keys: set[int]) -> None:
+    """``state.reorder`` with two orders: self-attention caches follow ``self_order`` (the beams'
+    choice), encoder-attention caches ``cross_order`` (rows of the same sentence are equal, so it
+    only changes when the batch shrinks or grows); None skips."""
+    for key, cache in state.items():
+        order = cross_order if key in cross_keys else self_order
+        if order is None:
+            continue
+        for name in cache:
+            cache[name] = cache[name].index_select(0, order)
+
+
+def _lprobs(logits: torch.Tensor, step: int, force_eos: Optional[torch.Tensor], pad: int, eos: int,
+            unk: int, unk_penalty: float, min_len: int, temperature: float = 1.0) -> torch.Tensor:
+    """(N, V) logits -> float32 log-probs with fairseq's constraints: pad never, unk penalised,
+    EOS forbidden before min_len, only EOS in the rows where ``force_eos`` (N,) is set (the max
+    length is reached; this wins over min_len so every hypothesis terminates). ``force_eos=None``:
+    no row is at its max length."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    lp = F.log_softmax(x, dim=-1)
+    eos_lp = lp[:, eos].clone() if force_eos is not None else None
+    lp[:, pad] = NEG_INF
+    if unk_penalty:
+        lp[:, unk] -= unk_penalty
+    if step < min_len:
+        lp[:, eos] = NEG_INF
+    if force_eos is not None:
+        lp.masked_fill_(force_eos[:, None], NEG_INF)
+        lp[:, eos] = torch.where(force_eos, eos_lp, lp[:, eos])
+    return lp
+
+
+def _prepare(model, src_tokens: torch.Tensor) -> torch.Tensor:
+    src = torch.as_tensor(src_tokens)
+    if src.dim() == 1:
+        src = src[None]
+    return src.to(_device(model), dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy and sampling: one hypothesis per sentence
+# --------------------------------------------------------------------------------------------
+
+
+def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
+              max_len_a: float, max_len_b: int, unk_penalty: float, min_len: int,
+              temperature: float = 1.0) -> list[list[int]]:
+    _, pad, eos, unk = _specials(model)
+    B = src.size(0)
+    if B == 0:
+        return []
+    max_lens = _max_lens(model, src, max_len_a, max_len_b)
+    max_len, min_max_len = (int(v) for v in torch.stack([max_lens.max(), max_lens.min()]).tolist())
+    enc, src_pad = model.encode(src)
+    state = IncrementalState()
+    out = torch.full((B, max_len + 1), pad, dtype=torch.long, device=src.device)
+    orig = torch.arange(B, device=src.device)
+    cur = torch.full((B, 1), eos, dtype=torch.long, device=src.device)
+    for step in range(max_len + 1):
+        logits = model.decode(cur, enc, src_pad, state)[:, -1]
+        force = max_lens.le(step) if step >= min_max_len else None
+        lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len, temperature)
+        tok = choose(lp)
+        out[orig, step] = tok
+        done = tok.eq(eos)
+        if bool(done.any()):
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            orig, max_lens, tok = orig[keep], max_lens[keep], tok[keep]
+            min_max_len = int(max_lens.min())
+            enc, src_pad = enc.index_select(0, keep), src_pad.index_select(0, keep)
+            state.reorder(keep)
+        cur = tok[:, None]
+    hyps = []
+    for row in out.tolist():
+        hyps.append(row[:row.index(eos)] if eos in row else row)
+    return hyps
+
+
+def greedy(model, src_tokens: torch.Tensor, max_len_a: float = 0.0, max_len_b: int = 200,
+           unk_penalty: float = 0.0, min_len: int = 1) -> list[list[int]]:
+    """Greedy decoding of ``src_tokens`` (B, S) (EOS-terminated, right- or left-padded with pad).
+    Returns one token list per sentence, without EOS. Same constraints as ``beam_search``, whose
+    beam=1 result it equals."""
+    with _inference(model):
+        src = _prepare(model, src_tokens)
+        return _one_best(model, src, lambda lp: lp.argmax(dim=-1), max_len_a, max_len_b,
+                         unk_penalty, min_len)
+
+
+def sample(model, src_tokens: torch.Tensor, topk: int = 0, topp: float = 0.0,
+           temperature: float = 1.0, max_len_a: float = 0.0, max_len_b: int = 200,
+           seed: Optional[int] = None, generator: Optional[torch.Generator] = None,
+           unk_penalty: float = 0.0, min_len: int = 1) -> list[list[int]]:
+    """Sampling (back-translation, Edunov et al. 2018): each token drawn from the model's
+    distribution at ``temperature``; ``topk`` > 0 restricts to the k most likely tokens (0: the
+    whole vocabulary), ``topp`` in (0, 1) to the nucleus of that probability mass. ``seed`` (or a
+    ``generator`` on the model's device) makes it reproducible. topk=1 is greedy."""
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=_device(model)).manual_seed(seed)
+
+    def choose(lp: torch.Tensor) -> torch.Tensor:
+        if topk > 0:
+            lp, idx = lp.topk(min(topk, lp.size(-1)), dim=-1)
+        else:
+            idx = None
+        probs = lp.softmax(dim=-1)  # renormalise what survived the restriction
+        if 0.0 < topp < 1.0:
+            sp, order = probs.sort(dim=-1, descending=True)
+            before = sp.cumsum(dim=-1) - sp  # mass of the strictly more likely tokens
+            sp = sp.masked_fill(before >= topp, 0.0)
+            pick = torch.multinomial(sp, 1, generator=generator)
+            pick = order.gather(1, pick)
+        else:
+            pick = torch.multinomial(probs, 1, generator=generator)
+        if idx is not None:
+            pick = idx.gather(1, pick)
+        return pick.squeeze(1)
+
+    with _inference(model):
+        src = _prepare(model, src_tokens)
+        return _one_best(model, src, choose, max_len_a, max_len_b, unk_penalty, min_len,
+                         temperature)
+
+
+# --------------------------------------------------------------------------------------------
+# Beam search
+# --------------------------------------------------------------------------------------------
+
+
+def beam_search(model, src_tokens: torch.Tensor, beam: int = 5, lenpen: float = 1.0,
+                max_len_a: float = 0.0, max_len_b: int = 200, nbest: int = 1,
+                unk_penalty: float = 0.0, min_len: int = 1) -> list[list[Hypothesis]]:
+    """Beam search with fairseq's ``SequenceGenerator`` semantics; returns, per sentence, its
+    ``nbest`` hypotheses best first.
+
+    Per step: the top 2*beam candidates over (beam x vocab) by cumulative log-prob; the EOS
+    candidates among the first ``beam`` of them are finalized (normalized score
+    sum / len**lenpen, len counting EOS), the first ``beam`` non-EOS candidates continue. A sentence
+    is finished once it holds ``beam`` finalized hypotheses (fairseq's early stop) or has reached
+    its max length (EOS forced); it then leaves the batch.
+    """
+    if nbest > beam:
+        raise ValueError(f"nbest={nbest} exceeds beam={beam}")
+    with _inference(model):
+        src = _prepare(model, src_tokens)
+        return _beam_search(model, src, beam, lenpen, max_len_a, max_len_b, nbest,
+                            unk_penalty, min_len)
+
+
+def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty, min_len):
+    _, pad, eos, unk = _specials(model)
+    dev = src.device
+    B = src.size(0)
+    if B == 0:
+        return []
+    max_lens = _max_lens(model, src, max_len_a, max_len_b)  # per live sentence
+    max_len, min_max_len = (int(v) for v in torch.stack([max_lens.max(), max_lens.min()]).tolist())
+    cross_keys = _cross_keys(model)
+
+    enc, src_pad = model.encode(src)  # B rows; expanded to B*K after the first step
+    state = IncrementalState()
+
+    # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
+    # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.
+    fin_tok = torch.full((B, K + 1, max_len + 1), pad, dtype=torch.long, device=dev)
+    fin_pos = torch.zeros((B, K + 1, max_len + 1), dtype=torch.float32, device=dev)
+    fin_score = torch.full((B, K + 1), NEG_INF, dtype=torch.float32, device=dev)
+    fin_len = torch.zeros((B, K + 1), dtype=torch.long, device=dev)
+    fin_cnt = torch.zeros(B, dtype=torch.long, device=dev)
+
+    orig = torch.arange(B, device=dev)  # live sentence -> original index
+    tokens = torch.full((B, 1), eos, dtype=torch.long, device=dev)  # decoder inputs so far
+    scores = torch.zeros((B, 0), dtype=torch.float32, device=dev)  # cumulative log-probs
+    rows_per = 1  # rows per live sentence: 1 at the first step (all beams equal), then K
+    cand_pos = torch.arange(2 * K, device=dev)
+
+    for step in range(max_len + 1):
+        rows = tokens.size(0)
+        bsz = rows // rows_per
+        logits = model.decode(tokens[:, -1:], enc, src_pad, state)[:, -1]
+        V = logits.size(-1)
+        force = None
+        if step >= min_max_len:
+            force = max_lens.le(step)
+            if rows_per > 1:
+                force = force.repeat_interleave(rows_per)
+        lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len)
+        if step > 0:
+            lp = lp + scores[:, -1:]
+
+        # Candidates: top 2K over (beam x vocab) per sentence, best first.
+        flat = lp.view(bsz, rows_per * V)
+        k2 = min(2 * K, flat.size(1))
+        cand_scores, cand_idx = flat.topk(k2, dim=1)
+        if k2 < 2 * K:  # tiny vocabulary at the first step: pad with impossible candidates
+            fill = 2 * K - k2
+            cand_scores = torch.cat([cand_scores, cand_scores.new_full((bsz, fill), NEG_INF)], 1)
+            cand_idx = torch.cat([cand_idx, cand_idx.new_full((bsz, fill), pad)], 1)
+        cand_beams = torch.div(cand_idx, V, rounding_mode="floor")
+        cand_tok = cand_idx - cand_beams * V
+        cand_rows = cand_beams + torch.arange(bsz, device=dev)[:, None] * rows_per
+        eos_mask = cand_tok.eq(eos) & cand_scores.ne(NEG_INF)
+
+        # Finalize EOS candidates among the first K, in rank order, up to K per sentence.
+        fin_mask = eos_mask[:, :K]
+        slot = fin_cnt[orig][:, None] + fin_mask.long().cumsum(dim=1) - 1
+        ok = fin_mask & slot.lt(K)
+        fin_cnt[orig] += ok.sum(dim=1)
+        done = fin_cnt[orig].ge(K) | max_lens.le(step)
+        any_fin, any_done, all_done = torch.stack([ok.any(), done.any(), done.all()]).tolist()
+        if any_fin:
+            s_idx, c_idx = ok.nonzero(as_tuple=True)
+            src_rows = cand_rows[s_idx, c_idx]
+            eos_scores = cand_scores[s_idx, c_idx]
+            hyp = torch.cat([tokens.index_select(0, src_rows)[:, 1:],
+                             torch.full_like(src_rows, eos)[:, None]], dim=1)  # (n, step+1)
+            cum = torch.cat([scores.index_select(0, src_rows), eos_scores[:, None]], dim=1)
+            pos = torch.cat([cum[:, :1], cum[:, 1:] - cum[:, :-1]], dim=1)
+            o, sl = orig[s_idx], slot[s_idx, c_idx]
+            fin_tok[o, sl, :step + 1] = hyp
+            fin_pos[o, sl, :step + 1] = pos
+            fin_score[o, sl] = eos_scores / float(step + 1) ** lenpen
+            fin_len[o, sl] = step
+        if all_done:
+            break
+
+        # Continue with the first K non-EOS candidates (EOS ranks pushed behind all others).
+        rank = eos_mask.long() * (2 * K) + cand_pos
+        active = rank.topk(K, dim=1, largest=False).indices  # ascending: rank order kept
+        sel_rows = cand_rows.gather(1, active)
+        sel_scores = cand_scores.gather(1, active)
+        sel_tok = cand_tok.gather(1, active)
+
+        cross_order = None
+        keep_sent = None
+        if any_done:  # finished sentences leave the batch
+            keep_sent = (~done).nonzero().squeeze(1)
+            sel_rows, sel_scores, sel_tok = sel_rows[keep_sent], sel_scores[keep_sent], sel_tok[keep_sent]
+            orig, max_lens = orig[keep_sent], max_lens[keep_sent]
+            min_max_len = int(max_lens.min())
+        if any_done or rows_per != K:  # the encoder side changes shape: one row per beam again
+            base = keep_sent if keep_sent is not None else torch.arange(bsz, device=dev)
+            cross_order = (base * rows_per).repeat_interleave(K)
+            enc, src_pad = enc.index_select(0, cross_order), src_pad.index_select(0, cross_order)
+        sel_rows, sel_scores, sel_tok = sel_rows.reshape(-1), sel_scores.reshape(-1), sel_tok.reshape(-1)
+        _reorder(state, sel_rows, cross_order, cross_keys)
+        tokens = torch.cat([tokens.index_select(0, sel_rows), sel_tok[:, None]], dim=1)
+        scores = torch.cat([scores.index_select(0, sel_rows), sel_scores[:, None]], dim=1)
+        rows_per = K
+
+    # Gather the results once, on the host; sort by score (stable, like fairseq's sorted()).
+    fin_cnt_l = fin_cnt.clamp(max=K).tolist()
+    fin_score_l = fin_score.tolist()
+    fin_len_l = fin_len.tolist()
+    fin_tok_l = fin_tok.tolist()
+    fin_pos_l = fin_pos.tolist()
+    results: list[list[Hypothesis]] = []
+    for b in range(B):
+        slots = sorted(range(fin_cnt_l[b]), key=lambda s: -fin_score_l[b][s])[:nbest]
+        results.append([Hypothesis(tokens=fin_tok_l[b][s][:fin_len_l[b][s]],
+                                   score=fin_score_l[b][s],
+                                   positional_scores=fin_pos_l[b][s][:fin_len_l[b][s] + 1])
+                        for s in slots])
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Translating lines
+# --------------------------------------------------------------------------------------------
+
+
+def make_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches over length-sorted input (longest first): a batch's cost,
+    n_sentences * its longest length, stays within ``max_tokens`` (a single longer sentence
+    forms a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in order:
+        n = lengths[i]
+        if cur and (len(cur) + 1) * max(longest, n) > max_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def translate(model, subword_model, lines: Sequence[str], beam: int = 4, lenpen: float = 0.6,
+              max_tokens: int = 4096, method: str = "beam", **kw) -> list[str]:
+    """Translate raw ``lines``: ``subword_model.encode(lines)`` (ids without EOS; EOS appended
+    here), batches of at most ``max_tokens`` source tokens (n_sentences * max_len) over
+    length-sorted input, ``method`` "beam" | "greedy" | "sample" (``kw`` goes to the search:
+    max_len_a, max_len_b, unk_penalty, min_len, topk, topp, temperature, seed, generator),
+    ``subword_model.decode`` of the best hypotheses. Output order is input order; empty lines give
+    empty lines. Sources longer than the model's max_positions are truncated (with a warning)."""
+    if method not in ("beam", "greedy", "sample"):
+        raise ValueError(f"unknown method {method!r}; use 'beam', 'greedy' or 'sample'")
+    lines = list(lines)
+    outputs = [""] * len(lines)
+    if not lines:
+        return outputs
+    _, pad, eos, _ = _specials(model)
+    max_src = model.cfg.max_positions
+    encoded = subword_model.encode(lines)
+    todo, srcs, truncated = [], [], 0
+    for i, (line, ids) in enumerate(zip(lines, encoded)):
+        ids = list(ids)
+        if not line.strip() or not ids:
+            continue
+        if len(ids) + 1 > max_src:
+            ids = ids[:max_src - 1]
+            truncated += 1
+        todo.append(i)
+        srcs.append(ids + [eos])
+    if truncated:
+        warnings.warn(f"translate: {truncated} source sentence(s) longer than max_positions="
+                      f"{max_src} were truncated", stacklevel=2)
+    if "generator" not in kw and kw.get("seed") is not None and method == "sample":
+        kw["generator"] = torch.Generator(device=_device(model)).manual_seed(kw.pop("seed"))
+
+    hyps: list[Optional[list[int]]] = [None] * len(srcs)
+    device = _device(model)
+    for batch in make_batches([len(s) for s in srcs], max_tokens):
+        width = max(len(srcs[i]) for i in batch)
+        src = torch.full((len(batch), width), pad, dtype=torch.long)
+        for r, i in enumerate(batch):
+            src[r, :len(srcs[i])] = torch.tensor(srcs[i])
+        src = src.to(device)
+        if method == "beam":
+            res = [h[0].tokens for h in beam_search(model, src, beam=beam, lenpen=lenpen, **kw)]
+        elif method == "greedy":
+            res = greedy(model, src, **kw)
+        else:
+            res = sample(model, src, **kw)
+        for r, i in enumerate(batch):
+            hyps[i] = res[r]
+    texts = subword_model.decode(hyps) if hyps else []
+    for i, text in zip(todo, texts):
+        outputs[i] = text
+    return outputs

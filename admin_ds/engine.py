@@ -1,0 +1,331 @@
+"""DeepSpeed, applied from outside: the only module that imports deepspeed.
+
+It turns a plain ``nn.Module`` and our run config plus a DeepSpeed JSON into an engine, and owns
+the few operations that must know about DeepSpeed's internals:
+
+* ``resolve_ds_config`` -- the JSON says how to run (ZeRO stage, precision, accumulation), our
+  config says what to train (optimizer, schedule, clipping, tokens per micro-batch). A value set in
+  both places, an unresolved "auto", or a batch triplet that does not multiply out is refused
+  before any work, naming the field.
+* ``write_omega`` -- omega written after ``deepspeed.initialize`` must reach every copy: the
+  module's (possibly bf16) tensor, and the optimizer's fp32 master copy. Writing only the module
+  tensor is silently undone at the first step, when ZeRO copies the masters back (DESIGN.md
+  decision 3; DEEPSPEED_NOTES.md section 2).
+* checkpoint primitives and the consolidated state dict (ZeRO-3 keeps only partitions).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+
+from admin_ds.config import ConfigError
+
+# Keys of the DeepSpeed JSON that belong to the run config: refusing them keeps one owner per value.
+_OWNED_BY_RUN_CONFIG = {
+    "optimizer": "optim.optimizer / optim.lr / optim.betas",
+    "scheduler": "optim.warmup_updates / optim.lr",
+    "gradient_clipping": "optim.clip_norm",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Distributed start-up
+# ------------------------------------------------------------------------------------------------
+
+
+def on_cpu() -> bool:
+    return get_accelerator().device_name() == "cpu"
+
+
+def _skip_cpu_shm_build() -> None:
+    """DeepSpeed JIT-compiles a CPU shared-memory comm op in every TorchBackend (98 s cold on two
+    cores), used only by inference all-reduce. Replace the builder before init_distributed.
+    ``import deepspeed.comm.torch as m`` would bind torch itself (deepspeed.comm re-exports it)."""
+    importlib.import_module("deepspeed.comm.torch")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def init_distributed(port: int = 29500, timeout_s: int = 600) -> None:
+    """Join the process group (env:// from the launcher, or mpi4py discovery under mpirun).
+    A rank that cannot reach the master fails after ``timeout_s`` instead of hanging forever."""
+    if dist.is_initialized():
+        return
+    if on_cpu():
+        _skip_cpu_shm_build()
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl", distributed_port=port,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def device() -> torch.device:
+    if on_cpu():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    get_accelerator().set_device(local)
+    return torch.device(get_accelerator().device_name(local))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# The DeepSpeed JSON
+# ------------------------------------------------------------------------------------------------
+
+
+def load_ds_config(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--deepspeed_config: no such file: {p}")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+
+
+def _find_auto(d, prefix=""):
+    for k, v in d.items():
+        name = f"{prefix}{k}"
+        if v == "auto":
+            yield name
+        elif isinstance(v, dict):
+            yield from _find_auto(v, name + ".")
+
+
+def resolve_ds_config(ds: dict, run, world: int, source: str = "ds_config") -> dict:
+    """Validate the DeepSpeed JSON against the run config and fill in what we own.
+
+    A micro-batch is one token bucket of ``data.max_tokens`` padded tokens, so DeepSpeed's
+    ``train_micro_batch_size_per_gpu`` is 1 and ``train_batch_size`` = accumulation x data-parallel
+    size. Returns a new dict; ``ds`` is not modified.
+    """
+    ds = json.loads(json.dumps(ds))
+    auto = list(_find_auto(ds))
+    if auto:
+        raise ConfigError(f"{source}: unresolved \"auto\" at {', '.join(auto)}; set explicit values")
+    for key, ours in _OWNED_BY_RUN_CONFIG.items():
+        if key in ds:
+            raise ConfigError(f"{source}: '{key}' is set in the DeepSpeed JSON; it belongs to the run "
+                              f"config ({ours}). Remove it from the JSON.")
+    stages = run.engine.pipeline_stages
+    if world % stages:
+        raise ConfigError(f"engine.pipeline_stages={stages} does not divide the world size {world}")
+    dp = world // stages
+    zero = int(ds.get("zero_optimization", {}).get("stage", 0))
+    if stages > 1 and zero >= 2:
+        raise ConfigError(f"{source}: zero_optimization.stage={zero} with engine.pipeline_stages={stages}: "
+                          "DeepSpeed supports ZeRO-0/1 only with pipeline parallelism")
+    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+        raise ConfigError(f"{source}: bf16.enabled and fp16.enabled are both true")
+    micro = ds.setdefault("train_micro_batch_size_per_gpu", 1)
+    if micro != 1:
+        raise ConfigError(f"{source}: train_micro_batch_size_per_gpu={micro}: a micro-batch is one token "
+                          "bucket here; set it to 1 and size batches with data.max_tokens")
+    gas = ds.get("gradient_accumulation_steps")
+    if "train_batch_size" in ds:
+        tbs = ds["train_batch_size"]
+        if gas is None:
+            if tbs % dp:
+                raise ConfigError(f"{source}: train_batch_size={tbs} is not a multiple of the "
+                                  f"data-parallel size {dp}")
+            gas = tbs // dp
+        elif tbs != micro * gas * dp:
+            raise ConfigError(f"{source}: train_batch_size={tbs} != train_micro_batch_size_per_gpu "
+                              f"({micro}) x gradient_accumulation_steps ({gas}) x data-parallel size ({dp})")
+    gas = int(gas or 1)
+    if gas < 1:
+        raise ConfigError(f"{source}: gradient_accumulation_steps must be >= 1")
+    ds["gradient_accumulation_steps"] = gas
+    ds["train_batch_size"] = micro * gas * dp
+    ds["gradient_clipping"] = float(run.optim.clip_norm)  # always explicit: DeepSpeed's default is 1.0
+    ds.setdefault("steps_per_print", 10**9)  # we log ourselves
+    ds.setdefault("wall_clock_breakdown", False)
+    if zero >= 1 and run.optim.optimizer == "radam":
+        ds["zero_allow_untested_optimizer"] = True  # RAdam is a plain torch optimizer; ZeRO shards it fine
+    return ds
+
+
+def precision(ds: dict) -> str:
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer and schedule (client objects: DeepSpeed has no RAdam preset nor inverse-sqrt schedule)
+# ------------------------------------------------------------------------------------------------
+
+
+def inverse_sqrt_factor(optim):
+    """fairseq's inverse_sqrt: linear warmup from warmup_init_lr to lr over warmup_updates, then
+    lr * sqrt(warmup_updates / update). Returned as a LambdaLR factor of the peak lr."""
+    peak, init, warm = optim.lr, optim.warmup_init_lr, optim.warmup_updates
+
+    def factor(step: int) -> float:
+        if warm > 0 and step < warm:
+            return (init + step * (peak - init) / warm) / peak
+        return math.sqrt(max(warm, 1) / max(step, 1))
+
+    return factor
+
+
+def make_optimizer(optim):
+    def build(params):
+        kw = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
+        if optim.optimizer == "radam":
+            return torch.optim.RAdam(params, **kw)
+        if optim.optimizer == "adamw":
+            return torch.optim.AdamW(params, **kw)
+        return torch.optim.Adam(params, **kw)
+
+    return build
+
+
+def initialize(model: torch.nn.Module, run, ds: dict):
+    """``deepspeed.initialize`` with our optimizer and schedule; returns the engine."""
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds,
+        optimizer=make_optimizer(run.optim),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt_factor(run.optim)))
+    return engine
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing omega into every copy
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_zero3_param(p: torch.Tensor) -> bool:
+    return hasattr(p, "ds_id") and hasattr(p, "ds_shape")
+
+
+@torch.no_grad()
+def write_params(engine, values: dict[str, torch.Tensor]) -> None:
+    """Set named parameters of ``engine.module`` to full-size fp32 ``values`` in the module tensor
+    and in the optimizer's fp32 master, under any ZeRO stage and precision. Collective under ZeRO."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    params = dict(engine.module.named_parameters())
+    buffers = dict(engine.module.named_buffers())
+    missing = sorted(set(values) - set(params) - set(buffers))
+    if missing:
+        raise KeyError(f"no such parameters: {missing[:5]}")
+    has_masters = engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer)
+    refresh = False
+    for name in sorted(values):
+        value = values[name]
+        if name in buffers:
+            buffers[name].copy_(value.to(buffers[name].dtype))
+            continue
+        p = params[name]
+        if _is_zero3_param(p):
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if rank() == 0:
+                    p.data.copy_(value.to(p.dtype).view(p.ds_shape))
+        else:
+            p.data.copy_(value.to(p.dtype))
+        if has_masters:
+            if safe_get_full_fp32_param(p) is not None:
+                safe_set_full_fp32_param(p, value.to(torch.float32).to(p.device).view(p.ds_shape if _is_zero3_param(p) else p.shape))
+            else:
+                refresh = True  # optimizers without an hp mapping (FP16_Optimizer): copy lp -> fp32
+    if refresh and hasattr(engine.optimizer, "refresh_fp32_params"):
+        engine.optimizer.refresh_fp32_params()
+
+
+@torch.no_grad()
+def read_params(engine, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Full fp32 values of named parameters: (module tensor, master copy) for verification."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = dict(engine.module.named_parameters())
+    out = {}
+    for name in names:
+        p = params[name]
+        if _is_zero3_param(p):
+            with deepspeed.zero.GatheredParameters([p]):
+                lp = p.data.detach().float().clone()
+        else:
+            lp = p.data.detach().float().clone()
+        hp = safe_get_full_fp32_param(p)
+        out[name] = (lp, None if hp is None else hp.detach().float().clone())
+    return out
+
+
+def gathered_module(engine):
+    """Context manager: inside, every parameter of ``engine.module`` is full-size (ZeRO-3 gathers;
+    otherwise a no-op). Collective: all ranks must enter."""
+    import contextlib
+
+    params = [p for p in engine.module.parameters() if _is_zero3_param(p)]
+    if not params:
+        return contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(params)
+
+
+def consolidated_state_dict(engine) -> Optional[dict]:
+    """The full model state dict (training precision) on rank 0, None elsewhere. Collective."""
+    if zero_stage(engine.config) == 3:
+        sd = engine._zero3_consolidated_16bit_state_dict()
+        return {k: v.clone() for k, v in sd.items()} if rank() == 0 else None
+    if rank() != 0:
+        return None
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def ds_to_universal(tag_dir: str, out_dir: str, num_workers: int = 2) -> None:
+    """DeepSpeed's own converter to the universal (layout-free) checkpoint format."""
+    from deepspeed.checkpoint import ds_to_universal as conv
+
+    argv = ["--input_folder", tag_dir, "--output_folder", out_dir,
+            "--num_extract_workers", str(num_workers), "--num_merge_workers", str(num_workers)]
+    saved = sys.argv
+    try:
+        sys.argv = ["ds_to_universal"] + argv
+        conv.main(conv.parse_arguments())
+    finally:
+        sys.argv = saved

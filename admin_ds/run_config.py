@@ -1,0 +1,221 @@
+"""The run configuration: what to train. Defaults < YAML file < ``--section.key=value``.
+
+    model:   a preset name plus ModelConfig overrides (vocab_size comes from the data if unset)
+    data:    binarized data directory (or the embedded default), token budget per micro-batch
+    admin:   profiling: formula, a profile to reuse, padding handling
+    optim:   optimizer, learning-rate schedule, clipping, label smoothing
+    train:   run directory, length of the run, checkpoint/validation/log cadence, seed
+    engine:  pipeline stages and the distributed port (the rest of *how* is the DeepSpeed JSON)
+
+The tree is validated once, written into the run directory and every checkpoint, and each
+module receives only its section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from admin_ds.config import ConfigError, ModelConfig
+from admin_ds.presets import PRESET_NAMES, get_preset
+
+
+@dataclass
+class ModelSection:
+    preset: str = "debug-tiny"
+    overrides: dict = field(default_factory=dict)  # any ModelConfig field, e.g. num_encoder_layers
+
+    def build(self, vocab_size: Optional[int] = None) -> ModelConfig:
+        if self.preset not in PRESET_NAMES:
+            raise ConfigError(f"model.preset: unknown preset {self.preset!r}; known: {', '.join(PRESET_NAMES)}")
+        over = dict(self.overrides)
+        if vocab_size is not None:
+            if "vocab_size" in over and over["vocab_size"] != vocab_size:
+                raise ConfigError(f"model.vocab_size={over['vocab_size']} differs from the data's "
+                                  f"subword vocabulary ({vocab_size}); leave it unset")
+            over["vocab_size"] = vocab_size
+        return get_preset(self.preset, **over)
+
+
+@dataclass
+class DataSection:
+    path: Optional[str] = None  # binarized data dir with manifest.json; None: the embedded default
+    max_tokens: int = 4096  # padded tokens per micro-batch (token bucket)
+    max_positions: int = 256  # longer training pairs are dropped (and counted)
+    valid_split: str = "valid"
+    test_split: str = "test"
+    default_pairs: int = 30000  # size of the embedded default corpus
+    default_vocab_size: int = 1000
+
+
+@dataclass
+class AdminSection:
+    formula: str = "reference"  # "reference" | "paper"
+    profile: Optional[str] = None  # reuse admin_profile.json or profile.ratio.init; skips profiling
+    mask_padding: bool = False  # the reference includes padding in the variances
+    profile_only: bool = False  # write the profile and exit
+
+
+@dataclass
+class OptimSection:
+    optimizer: str = "radam"  # "radam" | "adam" | "adamw"
+    lr: float = 7e-4
+    betas: tuple = (0.9, 0.98)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_updates: int = 4000
+    warmup_init_lr: float = 1e-7
+    clip_norm: float = 0.0  # 0 disables; always passed to DeepSpeed explicitly (its default is 1.0)
+    label_smoothing: float = 0.1
+
+
+@dataclass
+class TrainSection:
+    run_dir: str = "runs/default"
+    max_updates: int = 1000
+    max_epochs: Optional[int] = None
+    save_interval_updates: int = 500
+    keep_last: int = 3
+    log_interval: int = 10
+    valid_interval_updates: int = 500
+    final_eval: bool = True  # validation loss and test BLEU after the last update
+    bleu_beam: int = 4
+    bleu_lenpen: float = 0.6
+    bleu_max_sentences: Optional[int] = None  # evaluate BLEU on the first N test sentences
+    seed: int = 1
+    tensorboard: bool = False
+    resume: bool = True  # continue from the newest complete checkpoint in run_dir
+
+
+@dataclass
+class EngineSection:
+    pipeline_stages: int = 1
+    distributed_port: int = 29500
+    dist_timeout_s: int = 600
+    activation_checkpointing: bool = False
+
+
+SECTIONS = {"model": ModelSection, "data": DataSection, "admin": AdminSection, "optim": OptimSection,
+            "train": TrainSection, "engine": EngineSection}
+
+
+@dataclass
+class RunConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    admin: AdminSection = field(default_factory=AdminSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+
+    def validate(self) -> "RunConfig":
+        def need(ok, name, msg):
+            if not ok:
+                raise ConfigError(f"{name}: {msg}")
+
+        need(self.admin.formula in ("reference", "paper"), "admin.formula", "must be 'reference' or 'paper'")
+        need(self.optim.optimizer in ("radam", "adam", "adamw"), "optim.optimizer",
+             "must be one of radam, adam, adamw")
+        need(self.optim.lr > 0, "optim.lr", "must be positive")
+        need(self.optim.warmup_updates >= 0, "optim.warmup_updates", "must be >= 0")
+        need(self.optim.clip_norm >= 0, "optim.clip_norm", "must be >= 0 (0 disables clipping)")
+        need(0 <= self.optim.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
+        need(len(self.optim.betas) == 2, "optim.betas", "needs two values")
+        need(self.data.max_tokens > 0, "data.max_tokens", "must be positive")
+        need(self.train.max_updates > 0, "train.max_updates", "must be positive")
+        need(self.train.save_interval_updates > 0, "train.save_interval_updates", "must be positive")
+        need(self.train.keep_last >= 1, "train.keep_last", "must be >= 1")
+        need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
+        self.model.build()  # validates the preset and overrides
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, origin: str = "config") -> "RunConfig":
+        cfg = cls()
+        merge_into(cfg, d, origin)
+        return cfg
+
+
+def _coerce(value: Any, current: Any, name: str, origin: str) -> Any:
+    """Command-line strings become the type of the field's current value (YAML syntax)."""
+    if isinstance(value, str) and not isinstance(current, str):
+        if isinstance(current, float):  # YAML 1.1 reads "2e-3" as a string: parse floats directly
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{origin}: {name}: expected a number, got {value!r}") from None
+        else:
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{origin}: {name}: cannot parse {value!r}: {e}") from None
+    if isinstance(current, bool) and not isinstance(value, bool):
+        raise ConfigError(f"{origin}: {name}: expected true/false, got {value!r}")
+    if isinstance(current, (int, float)) and not isinstance(current, bool):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            if value is not None:
+                raise ConfigError(f"{origin}: {name}: expected a number, got {value!r}")
+        elif isinstance(current, float):
+            value = float(value)
+    if isinstance(current, tuple) and isinstance(value, list):
+        value = tuple(value)
+    return value
+
+
+def merge_into(cfg: RunConfig, d: dict, origin: str) -> None:
+    """Merge a nested dict (from YAML or the command line) into ``cfg``, naming unknown keys."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{origin}: expected a mapping of sections, got {type(d).__name__}")
+    for section, values in d.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+        target = getattr(cfg, section)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{origin}: section {section!r} must be a mapping")
+        known = {f.name for f in fields(target)}
+        for key, value in values.items():
+            name = f"{section}.{key}"
+            if section == "model" and key not in known:
+                # model fields other than the preset name are ModelConfig overrides
+                if key not in {f.name for f in fields(ModelConfig)}:
+                    raise ConfigError(f"{origin}: unknown field {name!r}")
+                current = getattr(ModelConfig(), key)
+                target.overrides[key] = _coerce(value, current, name, origin)
+                continue
+            if key not in known:
+                raise ConfigError(f"{origin}: unknown field {name!r}; known in {section}: {', '.join(sorted(known))}")
+            setattr(target, key, _coerce(value, getattr(target, key), name, origin))
+
+
+def load_run_config(path: Optional[str], overrides: list[str]) -> RunConfig:
+    """Defaults, then the YAML file, then ``--section.key=value`` overrides; validated."""
+    cfg = RunConfig()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: no such file: {p}")
+        try:
+            merge_into(cfg, yaml.safe_load(p.read_text()) or {}, str(p))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+    cli: dict = {}
+    for item in overrides:
+        if not item.startswith("--") or "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"command line: expected --section.key=value, got {item!r}")
+        key, value = item[2:].split("=", 1)
+        section, field_name = key.split(".", 1)
+        cli.setdefault(section, {})[field_name] = value
+    merge_into(cfg, cli, "command line")
+    return cfg.validate()
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=1, default=list)

@@ -1,0 +1,331 @@
+"""Joint SentencePiece subword model with fairseq-compatible special ids.
+
+The source and target languages share one model (and hence one vocabulary), which is
+what allows tied embeddings across encoder, decoder and output projection.
+
+Special ids follow fairseq's ``Dictionary`` layout so that binarised data, checkpoints and
+decoding agree without a remapping table::
+
+    0 <s>    BOS
+    1 <pad>  PAD
+    2 </s>   EOS
+    3 <unk>  UNK
+    4...     reserved user-defined symbols, in the order given (e.g. ``<BT>`` for tagged
+             back-translation), then the learned pieces.
+
+SentencePiece itself assigns these ids (``bos_id``/``pad_id``/``eos_id``/``unk_id`` trainer
+options), so the ``.model`` file alone defines the mapping; :class:`SubwordModel`
+re-checks it on load because a model trained elsewhere with SentencePiece's defaults
+(``<unk>=0, <s>=1, </s>=2``, no pad) would otherwise silently scramble every sequence.
+
+Public API: :func:`train_subword_model`, :class:`SubwordModel`,
+:class:`VocabSizeError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import sentencepiece as spm
+
+__all__ = [
+    "BOS", "PAD", "EOS", "UNK",
+    "BOS_PIECE", "PAD_PIECE", "EOS_PIECE", "UNK_PIECE",
+    "SPECIAL_PIECES",
+    "VocabSizeError",
+    "train_subword_model",
+    "SubwordModel",
+]
+
+BOS, PAD, EOS, UNK = 0, 1, 2, 3
+BOS_PIECE, PAD_PIECE, EOS_PIECE, UNK_PIECE = "<s>", "<pad>", "</s>", "<unk>"
+SPECIAL_PIECES: dict[int, str] = {BOS: BOS_PIECE, PAD: PAD_PIECE, EOS: EOS_PIECE, UNK: UNK_PIECE}
+
+MODEL_TYPES = ("unigram", "bpe")
+
+# SentencePiece reports vocabulary-size problems only as text inside a RuntimeError.
+_TOO_HIGH = re.compile(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)")
+_TOO_LOW = re.compile(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)")
+
+
+class VocabSizeError(ValueError):
+    """The requested vocabulary size cannot be met on this corpus.
+
+    ``suggested`` is the largest (too high) or smallest (too low) size SentencePiece
+    would accept, when it said so.
+    """
+
+    def __init__(self, message: str, suggested: int | None = None) -> None:
+        super().__init__(message)
+        self.suggested = suggested
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))  # respects taskset/cgroup CPU limits
+    except AttributeError:  # not available on macOS
+        return os.cpu_count() or 1
+
+
+def train_subword_model(
+    input_files: Sequence[str | os.PathLike],
+    model_prefix: str | os.PathLike,
+    vocab_size: int,
+    model_type: str = "unigram",
+    character_coverage: float = 1.0,
+    input_sentence_size: int = 10_000_000,
+    user_defined_symbols: Iterable[str] = (),
+    seed: int | None = None,
+    num_threads: int | None = None,
+    normalization_rule_name: str = "nmt_nfkc",
+    verbose: bool = False,
+) -> Path:
+    """Train a joint SentencePiece model on the concatenation of ``input_files``.
+
+    Writes ``{model_prefix}.model`` and ``{model_prefix}.vocab`` atomically and returns
+    the path of the ``.model`` file.
+
+    Args:
+        input_files: Plain-text files, one sentence per line (typically the source and
+            target sides of the training set).
+        model_prefix: Output path without extension; parent directories are created.
+        vocab_size: Exact vocabulary size, specials and ``user_defined_symbols``
+            included.  It is a hard limit (a model of a different size would silently
+            break configs that size embeddings from it); when the corpus cannot support
+            it a :class:`VocabSizeError` says which size would work.
+        model_type: ``"unigram"`` or ``"bpe"``.
+        character_coverage: Fraction of characters covered by the alphabet; 1.0 suits
+            languages with small alphabets, ~0.9995 is usual for CJK.
+        input_sentence_size: At most this many sentences are used; for bigger inputs
+            SentencePiece samples them uniformly (``shuffle_input_sentence``), which keeps
+            memory and time bounded on large corpora.
+        user_defined_symbols: Strings that are always a single piece, given ids 4, 5, ...
+            in order (e.g. ``["<BT>"]``).
+        seed: Seed for SentencePiece's sampling; set it for reproducible models.  Note
+            that it sets a process-wide SentencePiece seed.
+        num_threads: Trainer threads (default: the CPUs available to this process).
+        normalization_rule_name: SentencePiece normaliser; ``"nmt_nfkc"`` (the default)
+            is standard for MT, ``"identity"`` guarantees byte-exact round trips.
+        verbose: Show SentencePiece's progress log (otherwise warnings and errors only).
+
+    Raises:
+        FileNotFoundError: an input file is missing.
+        ValueError: bad arguments; :class:`VocabSizeError` for an unattainable size.
+    """
+    if isinstance(input_files, (str, os.PathLike)):
+        input_files = [input_files]  # a lone path, not an iterable of characters
+    files = [Path(f) for f in input_files]
+    if not files:
+        raise ValueError("input_files is empty")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"subword training input not found: {f}")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    symbols = list(user_defined_symbols)
+    clashes = set(symbols) & set(SPECIAL_PIECES.values())
+    if clashes or len(set(symbols)) != len(symbols) or any(not s for s in symbols):
+        raise ValueError(f"user_defined_symbols must be distinct, non-empty and not "
+                         f"specials {sorted(SPECIAL_PIECES.values())}: {symbols}")
+    min_size = len(SPECIAL_PIECES) + len(symbols) + 1
+    if vocab_size < min_size:
+        raise VocabSizeError(f"vocab_size={vocab_size} cannot even hold the {min_size - 1} "
+                             f"special and user-defined symbols", suggested=None)
+
+    final_prefix = Path(model_prefix)
+    final_prefix.parent.mkdir(parents=True, exist_ok=True)
+    if seed is not None:
+        spm.set_random_generator_seed(seed)
+
+    # Train in memory (``model_writer``) rather than into ``model_prefix``: SentencePiece
+    # would record the output path in the model, so identical training runs written to
+    # different (e.g. temporary) paths would get different bytes and sha256s.  We then
+    # write the files ourselves, atomically.
+    proto = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            input=[str(f) for f in files],
+            model_writer=proto,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            input_sentence_size=input_sentence_size,
+            shuffle_input_sentence=True,
+            normalization_rule_name=normalization_rule_name,
+            bos_id=BOS, pad_id=PAD, eos_id=EOS, unk_id=UNK,
+            bos_piece=BOS_PIECE, pad_piece=PAD_PIECE, eos_piece=EOS_PIECE, unk_piece=UNK_PIECE,
+            user_defined_symbols=symbols,
+            hard_vocab_limit=True,
+            num_threads=num_threads or _default_threads(),
+            minloglevel=0 if verbose else 1,
+        )
+    except RuntimeError as e:
+        raise _explain_training_error(e, vocab_size, files) from e
+    model_bytes = proto.getvalue()
+
+    # The same "piece<TAB>score" listing SentencePiece writes, for humans and tools.
+    sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+    vocab_text = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+
+    # .vocab first: once the .model (the file consumers look for) exists, both are
+    # complete.  (String concatenation, not with_suffix: "spm.joint" contains a dot.)
+    model_path = Path(f"{final_prefix}.model")
+    _write_atomic(Path(f"{final_prefix}.vocab"), vocab_text.encode("utf-8"))
+    _write_atomic(model_path, model_bytes)
+    return model_path
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write via a uniquely named ``*.tmp`` sibling and ``os.replace``.
+
+    Readers never see a half-written file, a crash leaves at most a stray ``.tmp``, and
+    two concurrent writers cannot interleave (last rename wins with a complete file).
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _explain_training_error(err: RuntimeError, vocab_size: int, files: list[Path]) -> Exception:
+    """Turn SentencePiece's terse vocabulary-size failures into actionable errors."""
+    msg = str(err)
+    corpus = ", ".join(str(f) for f in files)
+    if m := _TOO_HIGH.search(msg):
+        limit = int(m.group(2))
+        return VocabSizeError(
+            f"vocab_size={vocab_size} is too large for the training text ({corpus}): "
+            f"it only supports up to {limit} pieces. Use a smaller vocab_size "
+            f"(<= {limit}) or train on more text.", suggested=limit)
+    if m := _TOO_LOW.search(msg):
+        needed = int(m.group(2))
+        return VocabSizeError(
+            f"vocab_size={vocab_size} is smaller than the {needed} characters and specials "
+            f"the model must contain ({corpus}). Use vocab_size >= {needed}, or lower "
+            f"character_coverage.", suggested=needed)
+    return err
+
+
+class SubwordModel:
+    """A trained SentencePiece model with fairseq special ids, for batched encode/decode.
+
+    ``SubwordModel(path)`` validates the special-id layout and raises ``ValueError``
+    naming the file when it is not the fairseq one.  :attr:`sha256` identifies the
+    exact model bytes (e.g. to check a checkpoint and a binarised dataset agree).
+    """
+
+    def __init__(self, path: str | os.PathLike, num_threads: int = -1) -> None:
+        """``num_threads``: threads for batched encode/decode (-1: SentencePiece picks)."""
+        self.path = Path(path)
+        # Load from the same bytes we hash, so the hash is the hash of what is loaded
+        # even if the file is replaced concurrently.
+        data = self.path.read_bytes()
+        self.sha256: str = hashlib.sha256(data).hexdigest()
+        self.num_threads = num_threads
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(data)
+        except RuntimeError as e:
+            raise ValueError(f"{self.path}: not a valid SentencePiece model ({e})") from e
+        self._check_specials()
+        self._drop = frozenset({BOS, PAD})
+
+    def _check_specials(self) -> None:
+        sp = self._sp
+        actual = {"bos": sp.bos_id(), "pad": sp.pad_id(), "eos": sp.eos_id(), "unk": sp.unk_id()}
+        expected = {"bos": BOS, "pad": PAD, "eos": EOS, "unk": UNK}
+        pieces_ok = all(0 <= i < sp.get_piece_size() and sp.id_to_piece(i) == p
+                        for i, p in SPECIAL_PIECES.items())
+        if actual != expected or not pieces_ok:
+            found = {i: sp.id_to_piece(i) for i in range(min(4, sp.get_piece_size()))}
+            raise ValueError(
+                f"{self.path}: special ids {actual} (pieces {found}) are not the fairseq "
+                f"layout {expected} / {SPECIAL_PIECES}; retrain it with train_subword_model")
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    bos_id = property(lambda self: BOS, doc="Id of ``<s>`` (0).")
+    pad_id = property(lambda self: PAD, doc="Id of ``<pad>`` (1).")
+    eos_id = property(lambda self: EOS, doc="Id of ``</s>`` (2).")
+    unk_id = property(lambda self: UNK, doc="Id of ``<unk>`` (3).")
+
+    def piece(self, id: int) -> str:
+        """The piece string for ``id``."""
+        self._check_range(id)
+        return self._sp.id_to_piece(id)
+
+    def id_of(self, piece: str) -> int:
+        """The id of ``piece``; ``KeyError`` if it is not in the vocabulary.
+
+        (SentencePiece itself returns the UNK id for unknown pieces, which would make a
+        typo such as ``id_of("<bt>")`` look like a valid lookup.)
+        """
+        i = self._sp.piece_to_id(piece)
+        if i == UNK and piece != UNK_PIECE:
+            raise KeyError(f"piece {piece!r} not in {self.path}")
+        return i
+
+    # -- encode / decode ----------------------------------------------------------------
+
+    def encode(self, lines: Sequence[str], add_eos: bool = False) -> list[list[int]]:
+        """Encode a batch of lines to ids (no BOS; EOS appended only if ``add_eos``)."""
+        if isinstance(lines, str):
+            # A bare string would be encoded as one sentence with a different return
+            # shape; make the mistake loud instead.
+            raise TypeError("encode() takes a list of lines, not a str")
+        lines = list(lines)
+        if not lines:
+            return []
+        return self._sp.encode(lines, out_type=int, add_eos=add_eos, num_threads=self.num_threads)
+
+    def decode(self, ids_lists: Iterable[Iterable[int]]) -> list[str]:
+        """Decode a batch of id sequences to text.
+
+        Each sequence is cut at its first EOS (what follows is padding or garbage from a
+        batched decoder); BOS and PAD are dropped.  UNK is kept and rendered as
+        SentencePiece's `` ⁇ `` so that coverage problems stay visible in the output.
+        Accepts lists, tuples, numpy arrays or 1-d tensors.
+        """
+        cleaned: list[list[int]] = []
+        size, drop = self.vocab_size, self._drop
+        for ids in ids_lists:
+            out = []
+            for i in ids:
+                i = int(i)
+                if i == EOS:
+                    break
+                if i in drop:
+                    continue
+                if not 0 <= i < size:
+                    raise ValueError(f"id {i} out of range for vocabulary of size {size}")
+                out.append(i)
+            cleaned.append(out)
+        if not cleaned:
+            return []
+        return self._sp.decode(cleaned, num_threads=self.num_threads)
+
+    def _check_range(self, id: int) -> None:
+        if not 0 <= id < self.vocab_size:
+            raise IndexError(f"id {id} out of range for vocabulary of size {self.vocab_size}")
+
+    def __repr__(self) -> str:
+        return f"SubwordModel({str(self.path)!r}, vocab_size={self.vocab_size}, sha256={self.sha256[:12]})"

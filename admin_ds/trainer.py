@@ -1,0 +1,448 @@
+"""The training run: data, engine, profiling stage, update loop, validation, checkpoints.
+
+    train(run, ds_config_path)   # called by launch/train.py on every rank
+
+Order of work (each step refuses bad input before the next one starts):
+  1. resolve the DeepSpeed JSON against the run config; print the derived batch numbers
+  2. the data directory (rank 0 prepares the embedded default if no data is given)
+  3. the model, the engine, the resumable batch iterator
+  4. resume from the newest complete checkpoint, or profile omega (distributed) / load a profile
+  5. updates, with logs, validation and atomic checkpoints at their intervals
+  6. final checkpoint, validation loss, BLEU on the test split, summary
+
+Loss normalisation (DESIGN.md decision 5). The update's gradient is
+    g = d/dtheta [ sum over all target tokens of the update (every micro-batch, every rank) of
+                   the token loss ] / N_update,
+where N_update is the number of non-pad target tokens of the whole update. Each rank counts its
+micro-batches' tokens first and all-reduces the count; then each micro-batch's summed loss is
+multiplied by dp / N_update before ``engine.backward(..., scale_wrt_gas=False)``: DeepSpeed's
+data-parallel reduction averages over the dp ranks (divides by dp) and we switched off its
+division by the accumulation steps. The result does not depend on how the same tokens are split
+into micro-batches and ranks, which a test checks (1x4, 2x2, 4x1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from admin_ds import checkpoint as ckpt
+from admin_ds import engine as eng
+from admin_ds.config import ConfigError, ModelConfig
+from admin_ds.data import EpochBatchIterator
+from admin_ds.data.binarize import load_manifest, open_split, prepare_default_data
+from admin_ds.model import build_model, count_parameters
+from admin_ds.profiling import Profile, omega_table, profile_omega
+from admin_ds.residual import OmegaResidual
+from admin_ds.run_config import RunConfig, dump_run_config
+
+LN2 = math.log(2)
+
+
+def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_idx: int):
+    """fairseq's label_smoothed_cross_entropy, summed over non-pad tokens, in float32:
+    loss = (1 - eps - eps/(V-1)) * nll + eps/(V-1) * sum_v -log p_v."""
+    lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.size(-1))
+    target = target.reshape(-1)
+    keep = target.ne(pad_idx)
+    lprobs, target = lprobs[keep], target[keep]
+    nll = -lprobs.gather(1, target[:, None]).squeeze(1)
+    smooth = -lprobs.sum(dim=-1)
+    eps_i = eps / (lprobs.size(-1) - 1)
+    loss = (1.0 - eps - eps_i) * nll + eps_i * smooth
+    return loss.sum(), nll.sum()
+
+
+@dataclass
+class TrainState:
+    update: int = 0
+    epoch: int = 1
+    tokens_seen: int = 0
+    sentences_seen: int = 0
+
+
+class RunLog:
+    """Rank 0 prints and appends to RUN_DIR/metrics.jsonl (and TensorBoard if asked)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.metrics = None
+        self.tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(run_dir / "metrics.jsonl", "a")
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                    self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                except ImportError:
+                    self.info("[log] tensorboard is not installed; `pip install tensorboard` to enable it")
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, flush=True)
+
+    def record(self, kind: str, **values) -> None:
+        if not self.enabled:
+            return
+        self.metrics.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **values}) + "\n")
+        self.metrics.flush()
+        if self.tb is not None:
+            step = values.get("update", 0)
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and k != "update":
+                    self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, ds_config_path: str) -> None:
+        self.run = run
+        self.ds_path = ds_config_path
+        self.run_dir = Path(run.train.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        run = self.run
+        raw_ds = eng.load_ds_config(self.ds_path)
+        eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s)
+        self.rank, self.world = eng.rank(), eng.world_size()
+        self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
+        self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
+        if run.engine.pipeline_stages > 1:
+            raise ConfigError("engine.pipeline_stages > 1: the pipeline path is not available in this build")
+        self.dp = self.world // run.engine.pipeline_stages
+        self.gas = self.ds["gradient_accumulation_steps"]
+        self.zero = eng.zero_stage(self.ds)
+        self.device = eng.device()
+        self.log.info(f"[world] {self.world} rank(s): data-parallel {self.dp} x pipeline "
+                      f"{run.engine.pipeline_stages}; ZeRO-{eng.zero_stage(self.ds)}, {eng.precision(self.ds)}, "
+                      f"device {self.device.type}")
+        self.log.info(f"[batch] micro-batch <= {run.data.max_tokens} padded tokens x accumulation {self.gas} "
+                      f"x data-parallel {self.dp} = up to {run.data.max_tokens * self.gas * self.dp} tokens per update")
+
+        self.data_dir = self._data_dir()
+        self.manifest = self._manifest()
+        cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
+        self.model_cfg = cfg
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "run_config.json").write_text(dump_run_config(run) + "\n")
+            (self.run_dir / "ds_config.json").write_text(json.dumps(self.ds, indent=1) + "\n")
+
+        torch.manual_seed(run.train.seed)  # identical initial weights on every rank
+        model = build_model(cfg)
+        self.log.info(f"[model] {run.model.preset} {cfg.num_encoder_layers}L-{cfg.num_decoder_layers}L "
+                      f"{cfg.model_dim}/{cfg.ffn_inner_dim}/{cfg.num_heads}, init={cfg.init}, "
+                      f"norm={cfg.norm_order}, vocabulary {cfg.vocab_size}: "
+                      f"{count_parameters(model) / 1e6:.2f}M parameters")
+        self.engine = eng.initialize(model, run, self.ds)
+        self.model = self.engine.module
+
+        self.train_data = open_split(self.data_dir, "train", self.manifest)
+        self.iterator = self._iterator(self.train_data, shuffle=True)
+        if self.iterator.dropped:
+            self.log.info(f"[data] dropped {self.iterator.dropped} training pairs longer than "
+                          f"{self._max_positions()} tokens")
+        self.state = TrainState()
+        self.saved_update: Optional[int] = None
+        self.profile: Optional[Profile] = None
+
+    def _max_positions(self) -> int:
+        return min(self.run.data.max_positions, self.model_cfg.max_positions)
+
+    def _iterator(self, dataset, shuffle: bool, seed: Optional[int] = None) -> EpochBatchIterator:
+        return EpochBatchIterator(dataset, self.run.data.max_tokens, self.model_cfg.pad_idx, self.model_cfg.eos_idx,
+                                  seed=self.run.train.seed if seed is None else seed, num_replicas=self.dp,
+                                  rank=self.rank % self.dp, shuffle=shuffle, max_positions=self._max_positions(),
+                                  required_multiple=self.dp * self.gas if shuffle else self.dp)
+
+    def _data_dir(self) -> Path:
+        data = self.run.data
+        if data.path:
+            return Path(data.path)
+        out = self.run_dir / "data"
+        err = None
+        if self.rank == 0:
+            try:
+                prepare_default_data(out, n_pairs=data.default_pairs, vocab_size=data.default_vocab_size,
+                                     seed=self.run.train.seed, log=self.log.info)
+            except Exception as e:  # every rank must learn of it, not hang at the barrier
+                err = f"{type(e).__name__}: {e}"
+        err = eng.broadcast_object(err)
+        if err:
+            raise RuntimeError(f"preparing the embedded default data failed on rank 0: {err}")
+        return out
+
+    def _manifest(self) -> dict:
+        result = None
+        if self.rank == 0:  # checksum once; other ranks read the same directory
+            try:
+                result = load_manifest(self.data_dir)
+            except (FileNotFoundError, ValueError) as e:
+                result = {"error": str(e)}
+        result = eng.broadcast_object(result)
+        if "error" in result:
+            raise ConfigError(f"data.path: {result['error']}")
+        return result
+
+    # ---- profiling ---------------------------------------------------------------------------------
+    def omega_names(self) -> list[str]:
+        return [n for n, _ in self.model.named_parameters() if n.endswith("omega")]
+
+    def establish_profile(self) -> None:
+        """Reuse a given profile, or profile on each rank's first micro-batch and reduce."""
+        run, cfg = self.run, self.model_cfg
+        if cfg.init != "admin":
+            return
+        if run.admin.profile:
+            profile = Profile.load(run.admin.profile)
+            profile.check_matches(self.model)
+            self.log.info(f"[admin] using the profile {run.admin.profile} ({profile.formula})")
+        else:
+            t0 = time.perf_counter()
+            first = self._iterator(self.train_data, shuffle=True).next_batch()
+            batch = (first["src_tokens"].to(self.device), first["tgt_in_tokens"].to(self.device))
+            profile = profile_omega(
+                self.model, batch, formula=run.admin.formula, mask_padding=run.admin.mask_padding,
+                reduce_fn=eng.all_reduce_sum, seed=run.train.seed,
+                world={"data_parallel": self.dp, "pipeline": run.engine.pipeline_stages, "world_size": self.world})
+            self.log.info(f"[admin] profiled omega on {profile.tokens['src']} source / {profile.tokens['tgt']} "
+                          f"target tokens over {self.dp} rank(s) in {time.perf_counter() - t0:.2f}s "
+                          f"({run.admin.formula} formula)")
+        self.profile = profile
+        self.write_omega(profile)
+        if self.rank == 0:
+            profile.save(self.run_dir / "admin_profile.json")
+            (self.run_dir / "profile.ratio.init").write_text(profile.to_ratio_init())
+        enc, dec = profile.omega("encoder"), profile.omega("decoder")
+        self.log.info(f"[admin] omega: encoder {enc[0]:.3f} .. {enc[-1]:.3f}, decoder {dec[0]:.3f} .. {dec[-1]:.3f}")
+
+    def write_omega(self, profile: Profile) -> None:
+        values = {(s.stack, s.index): s.omega for s in profile.sublayers}
+        full = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, OmegaResidual):
+                full[f"{name}.omega"] = torch.full((self.model_cfg.model_dim,), values[(module.stack, module.index)],
+                                                   dtype=torch.float32)
+        eng.write_params(self.engine, full)
+        # Identical on every rank: gather a digest of the written values and compare.
+        digest = torch.tensor([sum(float(v[0]) * (i + 1) for i, v in enumerate(full.values()))], dtype=torch.float64)
+        if self.world > 1:
+            gathered = [torch.zeros_like(digest) for _ in range(self.world)]
+            torch.distributed.all_gather(gathered, digest)
+            if any(not torch.equal(g, gathered[0]) for g in gathered):
+                raise RuntimeError("omega differs between ranks after profiling")
+
+    # ---- the update --------------------------------------------------------------------------------
+    def train_update(self) -> dict:
+        """One optimizer update: GAS micro-batches on each rank (see the module docstring)."""
+        mbs = [self.iterator.next_batch() for _ in range(self.gas)]
+        local = torch.tensor([sum(b["ntokens"] for b in mbs), sum(b["nsentences"] for b in mbs)], dtype=torch.float64)
+        ntokens, nsentences = (int(v) for v in eng.all_reduce_sum(local))
+        sums = torch.zeros(2, dtype=torch.float64)
+        eps, pad = self.run.optim.label_smoothing, self.model_cfg.pad_idx
+        grad_norm = None
+        for i, b in enumerate(mbs):
+            logits = self.engine(b["src_tokens"].to(self.device), b["tgt_in_tokens"].to(self.device))
+            loss, nll = label_smoothed_nll(logits, b["target"].to(self.device), eps, pad)
+            self.engine.backward(loss * (self.dp / ntokens), scale_wrt_gas=False)
+            if i == len(mbs) - 1 and self.zero == 0:
+                grad_norm = _grad_norm(self.model)  # without ZeRO, DeepSpeed only measures it to clip
+            self.engine.step()
+            sums += torch.tensor([loss.item(), nll.item()], dtype=torch.float64)
+        if grad_norm is None:
+            grad_norm = _float(self.engine.get_global_grad_norm())
+        eng.all_reduce_sum(sums)
+        self.state.update += 1
+        self.state.epoch = self.iterator.epoch
+        self.state.tokens_seen += ntokens
+        self.state.sentences_seen += nsentences
+        return {"loss": float(sums[0]) / ntokens / LN2, "nll": float(sums[1]) / ntokens / LN2,
+                "ntokens": ntokens, "nsentences": nsentences, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def validate(self, split: str) -> dict:
+        dataset = open_split(self.data_dir, split, self.manifest)
+        it = self._iterator(dataset, shuffle=False)
+        sums = torch.zeros(3, dtype=torch.float64)
+        self.engine.eval()
+        for _ in range(it.batches_per_epoch):
+            b = it.next_batch()
+            logits = self.engine(b["src_tokens"].to(self.device), b["tgt_in_tokens"].to(self.device))
+            loss, nll = label_smoothed_nll(logits, b["target"].to(self.device), self.run.optim.label_smoothing,
+                                           self.model_cfg.pad_idx)
+            sums += torch.tensor([loss.item(), nll.item(), b["ntokens"]], dtype=torch.float64)
+        self.engine.train()
+        eng.all_reduce_sum(sums)
+        nll = float(sums[1] / sums[2] / LN2)
+        return {"loss": float(sums[0] / sums[2] / LN2), "nll": nll, "ppl": 2 ** nll, "ntokens": int(sums[2])}
+
+    def bleu(self, split: str) -> Optional[dict]:
+        """Beam search on the raw source text of ``split`` with a consolidated fp32 copy of the model
+        on rank 0, scored with sacreBLEU and tokenized BLEU. Collective (ZeRO-3 gathers)."""
+        state = eng.consolidated_state_dict(self.engine)
+        if self.rank != 0:
+            return None
+        from admin_ds.decode import translate
+        from admin_ds.evaluate import score
+        from admin_ds.subword import SubwordModel
+
+        s, t = self.manifest["src_lang"], self.manifest["tgt_lang"]
+        src_path, ref_path = self.data_dir / f"{split}.{s}", self.data_dir / f"{split}.{t}"
+        srcs = src_path.read_text(encoding="utf-8").splitlines()
+        refs = ref_path.read_text(encoding="utf-8").splitlines()
+        n = self.run.train.bleu_max_sentences
+        if n:
+            srcs, refs = srcs[:n], refs[:n]
+        model = build_model(self.model_cfg).to(self.device)
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        t0 = time.perf_counter()
+        hyps = translate(model, SubwordModel(self.data_dir / self.manifest["subword_model"]), srcs,
+                         beam=self.run.train.bleu_beam, lenpen=self.run.train.bleu_lenpen,
+                         max_tokens=self.run.data.max_tokens)
+        elapsed = time.perf_counter() - t0
+        if self.rank == 0:
+            (self.run_dir / f"{split}.hyp.{t}").write_text("\n".join(hyps) + "\n", encoding="utf-8")
+        result = score(hyps, refs, f"{s}-{t}")
+        copy = score(srcs, refs, f"{s}-{t}")  # the trivial baseline: output = input
+        return {"bleu": result["bleu"], "tok_bleu": result["tok_bleu"], "chrf": result["chrf"],
+                "signature": result["signature"], "copy_bleu": copy["bleu"], "sentences": len(hyps),
+                "decode_s": round(elapsed, 2)}
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def client_state(self) -> dict:
+        return {"admin_ds": {
+            "run_config": self.run.to_dict(), "model_config": self.model_cfg.to_dict(),
+            "profile": None if self.profile is None else self.profile.to_dict(),
+            "train_state": vars(self.state).copy(), "data_state": self.iterator.state_dict(),
+            "subword_sha256": self.manifest.get("subword_sha256"),
+            "layout": {"world_size": self.world, "data_parallel": self.dp,
+                       "pipeline": self.run.engine.pipeline_stages, "zero": eng.zero_stage(self.ds),
+                       "precision": eng.precision(self.ds)}}}
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        tag = ckpt.save(self.engine, self.ckpt_dir, self.state.update, self.client_state(), self.run.train.keep_last)
+        self.saved_update = self.state.update
+        self.log.info(f"[checkpoint] saved {self.ckpt_dir / tag} in {time.perf_counter() - t0:.1f}s")
+
+    def try_resume(self) -> bool:
+        if not self.run.train.resume:
+            return False
+        tag = ckpt.newest_complete(self.ckpt_dir)
+        if tag is None:
+            return False
+        client = ckpt.load(self.engine, self.ckpt_dir, tag)["admin_ds"]
+        saved = ModelConfig.from_dict(client["model_config"])
+        if saved != self.model_cfg:
+            diff = [k for k in saved.to_dict() if saved.to_dict()[k] != self.model_cfg.to_dict()[k]]
+            raise ConfigError(f"{self.ckpt_dir / tag}: the checkpoint's model differs from the run config in "
+                              f"model.{', model.'.join(diff)}; use a new train.run_dir or the same model")
+        if client.get("subword_sha256") != self.manifest.get("subword_sha256"):
+            raise ConfigError(f"{self.ckpt_dir / tag}: trained with a different subword model than "
+                              f"{self.data_dir}/{self.manifest['subword_model']}")
+        self.state = TrainState(**client["train_state"])
+        self.saved_update = self.state.update
+        self.iterator.load_state_dict(client["data_state"])
+        if client.get("profile"):
+            self.profile = Profile.from_dict(client["profile"])
+        self.log.info(f"[resume] from {self.ckpt_dir / tag}: update {self.state.update}, epoch {self.state.epoch}")
+        return True
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        run = self.run
+        if not self.try_resume():
+            self.establish_profile()
+            if self.profile is not None:
+                self.log.info(omega_table(self.profile) if self.model_cfg.num_encoder_layers <= 6 else
+                              "[admin] omega table written to admin_profile.json")
+        if run.admin.profile_only:
+            self.log.info(f"[admin] --profile-only: profile written to {self.run_dir / 'admin_profile.json'}")
+            return {}
+        from tqdm import tqdm
+
+        bar = tqdm(total=run.train.max_updates, initial=self.state.update, disable=self.rank != 0,
+                   desc="train", unit="upd", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+        t_start = time.perf_counter()
+        window_tokens, window_t0 = 0, time.perf_counter()
+        last = {}
+        while self.state.update < run.train.max_updates:
+            if run.train.max_epochs and self.iterator.epoch > run.train.max_epochs:
+                break
+            stats = self.train_update()
+            window_tokens += stats["ntokens"]
+            bar.update(1)
+            u = self.state.update
+            if u % run.train.log_interval == 0 or u == run.train.max_updates:
+                dt = time.perf_counter() - window_t0
+                fp16 = eng.precision(self.ds) == "fp16"
+                last = {"update": u, "epoch": self.state.epoch, "loss": round(stats["loss"], 4),
+                        "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
+                        "lr": self.engine.get_lr()[0], "grad_norm": stats["grad_norm"],
+                        "loss_scale": self.engine.optimizer.cur_scale if fp16 else None,
+                        "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"]}
+                self.log.record("train", **last)
+                if self.rank == 0:
+                    bar.write(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in last.items() if v is not None))
+                window_tokens, window_t0 = 0, time.perf_counter()
+            if u % run.train.valid_interval_updates == 0 and u < run.train.max_updates:
+                v = self.validate(run.data.valid_split)
+                self.log.record("valid", update=u, **v)
+                self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
+            if u % run.train.save_interval_updates == 0 and u < run.train.max_updates:
+                self.save()
+        bar.close()
+        train_s = time.perf_counter() - t_start
+        if self.saved_update != self.state.update:  # decided locally: every rank agrees without I/O
+            self.save()
+        summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
+                   "train_s": round(train_s, 1), "last_train_loss": last.get("loss")}
+        bleu = None
+        if run.train.final_eval:
+            v = self.validate(run.data.valid_split)
+            self.log.record("valid", update=self.state.update, **v)
+            summary.update(valid_loss=round(v["loss"], 4), valid_ppl=round(v["ppl"], 2))
+            bleu = self.bleu(run.data.test_split)
+        if bleu is not None:
+            summary.update({f"test_{k}": (round(x, 2) if isinstance(x, float) else x) for k, x in bleu.items()})
+            self.log.record("test", update=self.state.update, **bleu)
+        self.log.record("summary", **summary)
+        if self.rank == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        self.log.info("[summary] " + json.dumps(summary))
+        eng.barrier()
+        return summary
+
+
+@torch.no_grad()
+def _grad_norm(model) -> float:
+    grads = [p.grad.float() for p in model.parameters() if p.grad is not None]
+    return _float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+
+def _float(x) -> Optional[float]:
+    if x is None:
+        return None
+    x = float(x)
+    return round(x, 4) if math.isfinite(x) else x
+
+
+def train(run: RunConfig, ds_config_path: str) -> dict:
+    trainer = Trainer(run, ds_config_path)
+    trainer.setup()
+    return trainer.fit()

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Why a configuration will or will not train: output change and layer dependency at initialisation.
+
+    python launch/analyze.py --depths 1 2 4 8 16 32 --inits post pre admin --out runs/analysis
+    python launch/analyze.py --depths 6 18 60 --inits post admin deepnorm t-fixup --model-dim 128 \\
+        --target model --out runs/analysis_full
+
+Writes DIR/analysis.json, DIR/output_change.png and DIR/dependency_<init>.png (beta of the deepest
+model), and prints a table. Definitions and the choices behind them: ``admin_ds/analysis.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Runnable as `python launch/analyze.py` from a checkout where admin_ds is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse  # noqa: E402
+
+from admin_ds.analysis import INIT_VARIANTS, SCOPES, TARGETS, format_table, run_analyses, write_report  # noqa: E402
+from admin_ds.presets import PRESET_NAMES  # noqa: E402
+from admin_ds.profiling import FORMULAS  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="encoder layers N (each 2 sub-layers)")
+    p.add_argument("--inits", nargs="+", default=["post", "pre", "admin"], choices=list(INIT_VARIANTS))
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--seeds", type=int, default=3, help="models per (init, depth): seeds 0..K-1")
+    p.add_argument("--repeats", type=int, default=4, help="perturbations per model")
+    p.add_argument("--sigma", type=float, default=0.01, help="absolute std of the perturbation")
+    p.add_argument("--scope", choices=SCOPES, default="branches",
+                   help="perturb attention/FFN parameters only, or every parameter")
+    p.add_argument("--target", choices=TARGETS, default="encoder",
+                   help="F = encoder output, or the final decoder states of the whole model")
+    p.add_argument("--base-preset", choices=PRESET_NAMES, default="debug-tiny")
+    p.add_argument("--model-dim", type=int, default=64)
+    p.add_argument("--ffn-dim", type=int, default=None, help="default 4 * model-dim")
+    p.add_argument("--heads", type=int, default=None, help="default: the preset's")
+    p.add_argument("--decoder-layers", type=int, default=None, help="default: = depth")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--src-len", type=int, default=16)
+    p.add_argument("--tgt-len", type=int, default=16)
+    p.add_argument("--formula", choices=FORMULAS, default="reference", help="Admin profiling formula")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    result = run_analyses(
+        args.depths, args.inits, range(args.seeds), base_preset=args.base_preset, model_dim=args.model_dim,
+        ffn_inner_dim=args.ffn_dim, num_heads=args.heads, decoder_layers=args.decoder_layers,
+        sigma=args.sigma, repeats=args.repeats, scope=args.scope, target=args.target,
+        batch_size=args.batch_size, src_len=args.src_len, tgt_len=args.tgt_len, formula=args.formula,
+        num_threads=args.threads or None, progress=not args.no_progress)
+    paths = write_report(result, args.out)
+    print(format_table(result))
+    print(f"runtime {result['runtime_s']:.1f} s; wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Score a translation file: sacreBLEU (+ signature), tokenized BLEU, chrF and TER.
+
+    python launch/evaluate.py --hyp hyp.de --ref newstest2014.de --lang en-de [--src ...] [--json]
+
+Prints a table by default; with ``--json`` stdout holds exactly one JSON object (see
+``admin_ds.evaluate.score`` for its keys) so that it can be piped into other tools.  Bad input
+(missing or unreadable file, invalid UTF-8, mismatched line counts, malformed ``--lang``) is
+reported on stderr with exit status 2, the conventional status for usage errors (as argparse
+uses), without a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Runnable as `python launch/evaluate.py` from a checkout where admin_ds is not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+from admin_ds.evaluate import (  # noqa: E402
+    check_same_length,
+    format_table,
+    parse_lang_pair,
+    read_lines,
+    score,
+)
+
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--hyp", required=True,
+        help="detokenized system output, UTF-8, one segment per line; '-' reads stdin",
+    )
+    parser.add_argument("--ref", required=True, help="detokenized reference, UTF-8")
+    parser.add_argument("--src", help="source file; only checked for line alignment")
+    parser.add_argument("--lang", required=True, help="language pair src-tgt, e.g. en-de")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        try:
+            parse_lang_pair(args.lang)  # fail before reading (possibly large) files
+        except ValueError as err:
+            raise ValueError(f"--lang: {err}") from err
+        files = {"--hyp": args.hyp, "--ref": args.ref, "--src": args.src}
+        lines = {}
+        for opt, path in files.items():
+            if path is None:
+                continue
+            try:
+                lines[opt] = read_lines(path)
+            except OSError as err:
+                raise ValueError(f"{opt}: cannot read {path}: {err.strerror or err}") from err
+        # Name the files, not just "hypotheses"/"references", in a line-count mismatch.
+        check_same_length({f"{opt} {files[opt]}": text for opt, text in lines.items()})
+        result = score(lines["--hyp"], lines["--ref"], args.lang, lines.get("--src"))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Train an Admin encoder-decoder with DeepSpeed: profile omega across all ranks, then train.
+
+    deepspeed launch/train.py --deepspeed_config ds_configs/zero2.json
+        # no data given: the embedded default (generated corpus, tiny preset), BLEU at the end
+    deepspeed launch/train.py --deepspeed_config ds_configs/zero2_bf16.json \\
+        --config launch/configs/wmt14_en_de_admin_60L12L.yaml
+    deepspeed --num_gpus 8 launch/train.py --deepspeed_config ds_configs/zero1_bf16.json \\
+        --config run.yaml --train.max_updates=50000 --model.num_encoder_layers=36
+    python launch/train.py ...                       # one process, no launcher
+
+Options: --config FILE (YAML run config), --section.key=value overrides (see
+admin_ds/run_config.py), --profile-only (write the Admin profile and exit), --profile PATH (reuse
+admin_profile.json or a reference profile.ratio.init). The DeepSpeed JSON says how to run; the run
+config says what to train.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", required=True, help="engine JSON (ds_configs/*.json)")
+    p.add_argument("--config", help="run config YAML (launch/configs/*.yaml)")
+    p.add_argument("--profile-only", action="store_true", help="write the Admin profile and exit")
+    p.add_argument("--profile", help="reuse a profile (admin_profile.json or profile.ratio.init)")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    return p.parse_known_args(argv)
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    from admin_ds.config import ConfigError
+    from admin_ds.run_config import load_run_config
+
+    try:
+        run = load_run_config(args.config, overrides)
+        if args.profile_only:
+            run.admin.profile_only = True
+        if args.profile:
+            run.admin.profile = args.profile
+        from admin_ds.trainer import train
+
+        train(run, args.deepspeed_config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

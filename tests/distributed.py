@@ -1,0 +1,124 @@
+"""Real ranks for tests: N processes on gloo (DS_ACCELERATOR=cpu), started with
+torch.multiprocessing's spawn and joined through env://. No launcher, no mocks: each rank runs the
+same DeepSpeed code a ``deepspeed --num_gpus N`` launch runs.
+
+Rank functions live here (spawn imports them by module name) and write their results as JSON
+into the test's tmp folder; ``spawn`` returns them in rank order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL_DATA = dict(default_pairs=1500, default_vocab_size=400, max_tokens=600)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        result = globals()[fn_name](**kwargs)
+        error = None
+    except BaseException as e:  # reported to the parent, which fails the test with it
+        result, error = None, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"result": result, "error": error}))
+    if error:
+        os._exit(1)  # do not wait in a collective for ranks that will never come
+
+
+def spawn(world: int, fn_name: str, out: Path, **kwargs) -> list:
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("rank*.json"):
+        f.unlink()
+    port = free_port()
+    ctx = mp.start_processes(_entry, args=(world, port, str(out), fn_name, kwargs), nprocs=world,
+                             join=False, start_method="spawn")
+    try:
+        while not ctx.join(timeout=300):
+            pass
+    except mp.ProcessRaisedException as e:
+        raise AssertionError(str(e)) from None
+    except mp.ProcessExitedException:
+        pass
+    results = []
+    for r in range(world):
+        f = out / f"rank{r}.json"
+        if not f.exists():
+            raise AssertionError(f"rank {r} wrote no result")
+        d = json.loads(f.read_text())
+        if d["error"]:
+            raise AssertionError(f"rank {r} failed:\n{d['error']}")
+        results.append(d["result"])
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# Rank functions
+# ------------------------------------------------------------------------------------------------
+
+
+def _trainer(run_overrides: list[str], ds: dict, tmp: str):
+    from admin_ds.run_config import load_run_config
+    from admin_ds.trainer import Trainer
+
+    ds_path = Path(tmp, f"ds_{os.environ['RANK']}.json")
+    ds_path.write_text(json.dumps(ds))
+    run = load_run_config(None, run_overrides)
+    trainer = Trainer(run, str(ds_path))
+    trainer.setup()
+    return trainer
+
+
+def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, read_omega: bool = False) -> dict:
+    """Profile (or resume), run ``updates`` updates; report losses, grad norms, omega, and a
+    checksum of the fp32 parameters."""
+    import torch
+
+    from admin_ds import engine as eng
+
+    t = _trainer(run_overrides, ds, tmp)
+    resumed = t.try_resume()
+    if not resumed:
+        t.establish_profile()
+    profile = None if t.profile is None else {st: t.profile.omega(st) for st in ("encoder", "decoder")}
+    losses, norms = [], []
+    for _ in range(updates):
+        stats = t.train_update()
+        losses.append(stats["loss"])
+        norms.append(stats["grad_norm"])
+    omega = None
+    if read_omega:
+        vals = eng.read_params(t.engine, t.omega_names())
+        omega = {n: [lp.tolist(), None if hp is None else hp.tolist()] for n, (lp, hp) in vals.items()}
+    with eng.gathered_module(t.engine):
+        params = {n: p.detach().double().sum().item() for n, p in t.engine.module.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "profile": profile, "omega": omega, "params": params,
+            "resumed": resumed, "update": t.state.update}
+
+
+def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
+    """The distributed profile plus this rank's profiling batch (to rebuild the global batch)."""
+    t = _trainer(run_overrides, ds, tmp)
+    first = t._iterator(t.train_data, shuffle=True).next_batch()
+    t.establish_profile()
+    return {"profile": {st: t.profile.omega(st) for st in ("encoder", "decoder")},
+            "src": first["src_tokens"].tolist(), "tgt": first["tgt_in_tokens"].tolist(),
+            "tokens": t.profile.tokens}
