@@ -35,6 +35,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from admin_ds import atomic
 from admin_ds import engine as eng
 
 COMPLETE = "COMPLETE"
@@ -44,20 +45,6 @@ _TAG = re.compile(r"^update_(\d+)$")
 
 def tag_for(update: int) -> str:
     return f"update_{update:06d}"
-
-
-def _fsync_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def rng_state() -> dict:
@@ -116,9 +103,9 @@ def save(engine, ckpt_dir: str | os.PathLike, update: int, client_state: dict, k
     torch.save(rng_state(), tag_dir / f"rng_rank{eng.rank()}.pt")
     eng.barrier()
     if eng.rank() == 0:
-        _fsync_write(tag_dir / COMPLETE, json.dumps({"update": update, "time": time.time(),
+        atomic.write_text(tag_dir / COMPLETE, json.dumps({"update": update, "time": time.time(),
                                                      "world_size": eng.world_size()}) + "\n")
-        _fsync_write(ckpt_dir / POINTER, tag + "\n")
+        atomic.write_text(ckpt_dir / POINTER, tag + "\n")
         _prune(ckpt_dir, keep_last, keep=tag)
     eng.barrier()
     return tag

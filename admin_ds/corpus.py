@@ -49,6 +49,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from admin_ds import atomic
+
 __all__ = [
     "SRC_LANG",
     "TGT_LANG",
@@ -870,25 +872,6 @@ def generate_corpus(n_pairs: int, seed: int = DEFAULT_SEED, *,
     return pairs
 
 
-def _write_lines_atomic(path: Path, lines: Sequence[str]) -> None:
-    """Write ``lines`` to ``path`` via ``path.tmp`` + ``os.replace``.
-
-    Readers (or a crashed writer's successor) never observe a half-written split; the
-    rename is atomic on POSIX within one file system, which the sibling tmp file ensures.
-    """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            for line in lines:
-                f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_default_corpus(
     out_dir: str | os.PathLike,
     n_train: int = DEFAULT_N_TRAIN,
@@ -918,7 +901,7 @@ def write_default_corpus(
         files[split] = {}
         for side, lang in enumerate((SRC_LANG, TGT_LANG)):
             path = out / f"{split}.{lang}"
-            _write_lines_atomic(path, [pair[side] for pair in splits[split]])
+            atomic.write_text(path, "".join(pair[side] + "\n" for pair in splits[split]))
             files[split][lang] = str(path)
     return {
         "dir": str(out),

@@ -278,7 +278,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
                 force = force.repeat_interleave(rows_per)
         lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len)
         if step > 0:
-            lp = lp + scores[:, -1:]
+            lp.add_(scores[:, -1:])
 
         # Candidates: top 2K over (beam x vocab) per sentence, best first.
         flat = lp.view(bsz, rows_per * V)
@@ -340,19 +340,20 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
         scores = torch.cat([scores.index_select(0, sel_rows), sel_scores[:, None]], dim=1)
         rows_per = K
 
-    # Gather the results once, on the host; sort by score (stable, like fairseq's sorted()).
-    fin_cnt_l = fin_cnt.clamp(max=K).tolist()
-    fin_score_l = fin_score.tolist()
-    fin_len_l = fin_len.tolist()
-    fin_tok_l = fin_tok.tolist()
-    fin_pos_l = fin_pos.tolist()
+    # Best first (a stable sort, like fairseq's sorted(); empty slots score -inf and sort last),
+    # then one transfer of the n-best to the host.
+    order = fin_score[:, :K].sort(dim=1, descending=True, stable=True).indices[:, :nbest]
+    n_keep = fin_cnt.clamp(max=nbest).tolist()
+    best_score = fin_score.gather(1, order).tolist()
+    best_len = fin_len.gather(1, order).tolist()
+    idx = order[:, :, None].expand(-1, -1, fin_tok.size(2))
+    best_tok = fin_tok.gather(1, idx).tolist()
+    best_pos = fin_pos.gather(1, idx).tolist()
     results: list[list[Hypothesis]] = []
     for b in range(B):
-        slots = sorted(range(fin_cnt_l[b]), key=lambda s: -fin_score_l[b][s])[:nbest]
-        results.append([Hypothesis(tokens=fin_tok_l[b][s][:fin_len_l[b][s]],
-                                   score=fin_score_l[b][s],
-                                   positional_scores=fin_pos_l[b][s][:fin_len_l[b][s] + 1])
-                        for s in slots])
+        results.append([Hypothesis(tokens=best_tok[b][j][:best_len[b][j]], score=best_score[b][j],
+                                   positional_scores=best_pos[b][j][:best_len[b][j] + 1])
+                        for j in range(n_keep[b])])
     return results
 
 

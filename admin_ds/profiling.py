@@ -31,7 +31,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,6 +38,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from admin_ds import atomic
 from admin_ds.residual import OmegaResidual, Residual, attach_recorder, iter_residuals
 
 FORMULAS = ("reference", "paper")
@@ -85,7 +85,7 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write JSON atomically (temp file in the same folder, then rename)."""
-        return _atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=1) + "\n")
+        return atomic.write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":
@@ -149,21 +149,6 @@ def _omega_counts(model: nn.Module) -> dict[str, int]:
         if isinstance(r, OmegaResidual):
             counts[r.stack] += 1
     return counts
-
-
-def _atomic_write_text(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 # ------------------------------------------------------------------------------------------------

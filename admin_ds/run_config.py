@@ -8,7 +8,8 @@
     engine:  pipeline stages and the distributed port (the rest of *how* is the DeepSpeed JSON)
 
 The tree is validated once, written into the run directory and every checkpoint, and each
-module receives only its section.
+module receives only its section. The defaults below are the embedded default run (a tiny model
+on the generated corpus, minutes on a CPU); launch/configs/*.yaml hold the papers' recipes.
 """
 
 from __future__ import annotations
@@ -64,11 +65,11 @@ class AdminSection:
 @dataclass
 class OptimSection:
     optimizer: str = "radam"  # "radam" | "adam" | "adamw"
-    lr: float = 7e-4
+    lr: float = 3e-3
     betas: tuple = (0.9, 0.98)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    warmup_updates: int = 4000
+    warmup_updates: int = 100
     warmup_init_lr: float = 1e-7
     clip_norm: float = 0.0  # 0 disables; always passed to DeepSpeed explicitly (its default is 1.0)
     label_smoothing: float = 0.1
@@ -77,13 +78,14 @@ class OptimSection:
 @dataclass
 class TrainSection:
     run_dir: str = "runs/default"
-    max_updates: int = 1000
+    max_updates: int = 500
     max_epochs: Optional[int] = None
     save_interval_updates: int = 500
     keep_last: int = 3
     log_interval: int = 10
-    valid_interval_updates: int = 500
+    valid_interval_updates: int = 250
     final_eval: bool = True  # validation loss and test BLEU after the last update
+    bleu_interval_updates: Optional[int] = None  # also BLEU on the validation split every N updates
     bleu_beam: int = 4
     bleu_lenpen: float = 0.6
     bleu_max_sentences: Optional[int] = None  # evaluate BLEU on the first N test sentences

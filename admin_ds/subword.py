@@ -28,11 +28,12 @@ import hashlib
 import io
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import sentencepiece as spm
+
+from admin_ds import atomic
 
 __all__ = [
     "BOS", "PAD", "EOS", "UNK",
@@ -176,27 +177,9 @@ def train_subword_model(
     # .vocab first: once the .model (the file consumers look for) exists, both are
     # complete.  (String concatenation, not with_suffix: "spm.joint" contains a dot.)
     model_path = Path(f"{final_prefix}.model")
-    _write_atomic(Path(f"{final_prefix}.vocab"), vocab_text.encode("utf-8"))
-    _write_atomic(model_path, model_bytes)
+    atomic.write_bytes(f"{final_prefix}.vocab", vocab_text.encode("utf-8"))
+    atomic.write_bytes(model_path, model_bytes)
     return model_path
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a uniquely named ``*.tmp`` sibling and ``os.replace``.
-
-    Readers never see a half-written file, a crash leaves at most a stray ``.tmp``, and
-    two concurrent writers cannot interleave (last rename wins with a complete file).
-    """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _explain_training_error(err: RuntimeError, vocab_size: int, files: list[Path]) -> Exception:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -404,6 +403,12 @@ class Trainer:
                 v = self.validate(run.data.valid_split)
                 self.log.record("valid", update=u, **v)
                 self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
+            every = run.train.bleu_interval_updates
+            if every and u % every == 0 and u < run.train.max_updates:
+                b = self.bleu(run.data.valid_split)
+                if b is not None:
+                    self.log.record("valid_bleu", update=u, **b)
+                    self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
             if u % run.train.save_interval_updates == 0 and u < run.train.max_updates:
                 self.save()
         bar.close()

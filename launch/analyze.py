@@ -31,9 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="encoder layers N (each 2 sub-layers)")
     p.add_argument("--inits", nargs="+", default=["post", "pre", "admin"], choices=list(INIT_VARIANTS))
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--seeds", type=int, default=3, help="models per (init, depth): seeds 0..K-1")
+    p.add_argument("--seeds", type=int, default=4, help="models per (init, depth): seeds 0..K-1")
     p.add_argument("--repeats", type=int, default=4, help="perturbations per model")
-    p.add_argument("--sigma", type=float, default=0.01, help="absolute std of the perturbation")
+    p.add_argument("--sigma", type=float, default=0.001, help="absolute std of the perturbation")
     p.add_argument("--scope", choices=SCOPES, default="branches",
                    help="perturb attention/FFN parameters only, or every parameter")
     p.add_argument("--target", choices=TARGETS, default="encoder",

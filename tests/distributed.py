@@ -90,8 +90,6 @@ def _trainer(run_overrides: list[str], ds: dict, tmp: str):
 def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, read_omega: bool = False) -> dict:
     """Profile (or resume), run ``updates`` updates; report losses, grad norms, omega, and a
     checksum of the fp32 parameters."""
-    import torch
-
     from admin_ds import engine as eng
 
     t = _trainer(run_overrides, ds, tmp)

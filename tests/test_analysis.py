@@ -1,8 +1,8 @@
 """admin_ds.analysis: output change and layer dependency at initialisation (Admin paper, sec. 4).
 
-The qualitative claims are checked on D=64 encoders of 2..24 layers, 4 seeds x 8 perturbations,
-with margins chosen from 8 disjoint seed groups (smallest observed: Post-LN's growth 1.57x
-Pre-LN's, Post-LN's change at 24 layers 2.6x Admin's, mean beta_{i,i} 2.5x).
+The qualitative claims are checked on D=64 encoders of 2..24 layers, 4 seeds x 8 perturbations of
+sigma 0.001, with margins chosen from 6 disjoint seed groups (smallest observed: Post-LN's growth
+2.3x Pre-LN's and Admin's, Post-LN's change at 24 layers 3x theirs, mean beta_{i,i} 2.5x).
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ def study() -> dict:
 def test_post_ln_output_change_grows_faster_than_pre_ln_and_admin(study):
     oc = study["output_change"]
     for other in ("pre", "admin"):
-        assert oc["post"]["growth"] > 1.3 * oc[other]["growth"], (other, oc)
-    assert oc["post"]["mean"][-1] > 1.5 * oc["admin"]["mean"][-1]
-    assert oc["post"]["mean"][-1] > 1.5 * oc["pre"]["mean"][-1]
+        assert oc["post"]["growth"] > 1.5 * oc[other]["growth"], (other, oc)
+        assert oc["post"]["mean"][-1] > 2.0 * oc[other]["mean"][-1], (other, oc)
     for name in oc:  # every init's change grows with depth from 2 to 24 layers
         assert oc[name]["mean"][-1] > oc[name]["mean"][0]
 

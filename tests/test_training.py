@@ -116,7 +116,7 @@ def test_omega_still_in_force_after_first_step(tmp_path, data_dir, stage, precis
     res = spawn(2, "train_updates", tmp_path / "out", run_overrides=ov, ds=ds, tmp=str(tmp_path), updates=1,
                 read_omega=True)
     profile = res[0]["profile"]
-    last = f"encoder_layers.1.ffn_residual.omega"
+    last = "encoder_layers.1.ffn_residual.omega"
     want = profile["encoder"][3]
     assert want > 1.2
     lp, hp = res[0]["omega"][last]
@@ -228,17 +228,17 @@ def test_default_main_job_under_the_deepspeed_launcher(tmp_path):
     run_dir = tmp_path / "run"
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(_port()), str(REPO / "launch/train.py"),
            "--deepspeed_config", str(REPO / "ds_configs/zero2.json"), f"--train.run_dir={run_dir}",
-           "--data.default_pairs=4000", "--train.max_updates=120", "--train.log_interval=20",
-           "--train.bleu_max_sentences=100", "--optim.warmup_updates=30", "--optim.lr=3e-3"]
+           "--data.default_pairs=6000", "--data.max_tokens=2048", "--train.max_updates=300",
+           "--train.log_interval=25", "--train.bleu_max_sentences=200", "--optim.warmup_updates=50"]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["updates"] == 120
+    assert summary["updates"] == 300
     assert summary["test_bleu"] > summary["test_copy_bleu"] + 1.0, summary
     assert (run_dir / "admin_profile.json").is_file() and (run_dir / "profile.ratio.init").is_file()
-    assert (run_dir / "checkpoints/update_000120/COMPLETE").is_file()
+    assert (run_dir / "checkpoints/update_000300/COMPLETE").is_file()
     assert "[world] 2 rank(s)" in out.stdout
 
 
@@ -254,3 +254,20 @@ def test_paper_run_configs_load():
     run = load_run_config(str(REPO / "launch/configs/wmt14_en_fr_admin_60L12L.yaml"), [])
     assert (run.optim.lr, run.optim.warmup_updates) == (7e-4, 8000)
     assert run.model.build(vocab_size=44512).num_encoder_layers == 60
+
+
+def test_profile_only_then_reuse_reference_format(tmp_path, data_dir):
+    """--profile-only writes the profile and exits; --profile reuses it (here in the reference
+    code's profile.ratio.init format) and skips profiling."""
+    _train_cli(tmp_path / "p", data_dir, 2, extra=["--profile-only"])
+    prof = json.loads((tmp_path / "p/admin_profile.json").read_text())
+    assert not (tmp_path / "p/checkpoints").exists()
+    ratio = tmp_path / "p/profile.ratio.init"
+    lines = ratio.read_text().splitlines()
+    assert len(lines) == 4 + 6 and lines[4].startswith("1 ")
+    _train_cli(tmp_path / "q", data_dir, 2, extra=[f"--profile={ratio}"])
+    log = (tmp_path / "q/metrics.jsonl").read_text()
+    assert '"kind": "train"' in log
+    reused = json.loads((tmp_path / "q/admin_profile.json").read_text())
+    assert reused["formula"] == "imported"
+    assert [s["omega"] for s in reused["sublayers"]] == pytest.approx([s["omega"] for s in prof["sublayers"]], rel=1e-12)

@@ -18,11 +18,11 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
+from admin_ds import atomic
 from admin_ds.data.indexed import IndexedDataset, IndexedDatasetWriter, ParallelDataset
 
 MANIFEST = "manifest.json"
@@ -75,13 +75,7 @@ def write_manifest(data_dir: str | os.PathLike, manifest: dict) -> Path:
     manifest = dict(manifest, format=FORMAT, version=VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
                     versions={"python": platform.python_version(), **_package_versions()})
     manifest["files"] = {name: sha256_file(data_dir / name) for name in sorted(manifest["files"])}
-    fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=MANIFEST, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, data_dir / MANIFEST)
+    atomic.write_text(data_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return data_dir / MANIFEST
 
 
