@@ -65,6 +65,18 @@ def init_distributed(port: int = 29500, timeout_s: int = 600) -> None:
         return
     if on_cpu():
         _skip_cpu_shm_build()
+    launched = "RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+    if not launched:
+        # A plain `python launch/train.py`: a world of one on a free local port. (DeepSpeed would
+        # otherwise run MPI discovery, which pins the port to distributed_port, so two standalone
+        # runs on one machine would collide.)
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            free = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free)))
     os.environ.setdefault("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
     deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl", distributed_port=port,
                                timeout=datetime.timedelta(seconds=timeout_s))
@@ -145,7 +157,15 @@ def resolve_ds_config(ds: dict, run, world: int, source: str = "ds_config") -> d
         if key in ds:
             raise ConfigError(f"{source}: '{key}' is set in the DeepSpeed JSON; it belongs to the run "
                               f"config ({ours}). Remove it from the JSON.")
+    json_stages = ds.get("pipeline", {}).pop("stages", None)
+    if json_stages is not None:
+        if run.engine.pipeline_stages not in (1, json_stages):
+            raise ConfigError(f"{source}: pipeline.stages={json_stages} but engine.pipeline_stages="
+                              f"{run.engine.pipeline_stages}; set the number of stages in one place")
+        run.engine.pipeline_stages = int(json_stages)
     stages = run.engine.pipeline_stages
+    if stages > 1 and world < stages:
+        raise ConfigError(f"pipeline with {stages} stages needs at least {stages} ranks; the world has {world}")
     if world % stages:
         raise ConfigError(f"engine.pipeline_stages={stages} does not divide the world size {world}")
     dp = world // stages
@@ -294,17 +314,6 @@ def read_params(engine, names: Iterable[str]) -> dict[str, torch.Tensor]:
         hp = safe_get_full_fp32_param(p)
         out[name] = (lp, None if hp is None else hp.detach().float().clone())
     return out
-
-
-def gathered_module(engine):
-    """Context manager: inside, every parameter of ``engine.module`` is full-size (ZeRO-3 gathers;
-    otherwise a no-op). Collective: all ranks must enter."""
-    import contextlib
-
-    params = [p for p in engine.module.parameters() if _is_zero3_param(p)]
-    if not params:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters(params)
 
 
 def consolidated_state_dict(engine) -> Optional[dict]:

@@ -133,9 +133,11 @@ class Profile:
             raise ValueError(f"{source}: empty profile")
         return cls(formula="imported", sublayers=subs, source=source)
 
-    def check_matches(self, model: nn.Module) -> None:
-        """Refuse a profile whose sub-layer counts differ from the model's, naming both."""
-        want = _omega_counts(model)
+    def check_matches(self, target) -> None:
+        """Refuse a profile whose sub-layer counts differ from the architecture's (a ModelConfig, or a
+        model with ``.cfg``; a pipeline stage holds only part of the sub-layers), naming both."""
+        cfg = getattr(target, "cfg", target)
+        want = {"encoder": cfg.num_encoder_sublayers, "decoder": cfg.num_decoder_sublayers}
         have = {st: len(self.omega(st)) for st in ("encoder", "decoder")}
         if want != have:
             raise ValueError(f"profile ({self.source}) has {have['encoder']} encoder and "
@@ -180,14 +182,16 @@ class OmegaRecorder:
     """
 
     def __init__(self, formula: str, reduce_fn: Optional[ReduceFn] = None,
-                 masks: Optional[dict[str, torch.Tensor]] = None) -> None:
+                 masks: Optional[dict[str, torch.Tensor]] = None,
+                 start_index: Optional[dict[str, int]] = None) -> None:
         if formula not in FORMULAS:
             raise ValueError(f"formula must be one of {FORMULAS}, got {formula!r}")
         self.formula = formula
         self.reduce_fn = reduce_fn
-        self.masks = masks or {}
+        self.masks = masks if masks is not None else {}
         self.chain = {"encoder": 1.0, "decoder": 1.0}
-        self.next_index = {"encoder": 1, "decoder": 1}
+        # A pipeline stage starts mid-stack: its first sub-layers are not number 1.
+        self.next_index = {"encoder": 1, "decoder": 1, **(start_index or {})}
         self.results: dict[tuple[str, int], SublayerProfile] = {}
 
     def __call__(self, residual: Residual, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -214,16 +218,23 @@ class OmegaRecorder:
 
     def sublayers(self) -> list[SublayerProfile]:
         """Per-sub-layer results with the formula's final omega."""
-        out = []
-        for stack in ("encoder", "decoder"):
-            subs = sorted((s for s in self.results.values() if s.stack == stack), key=lambda s: s.index)
-            if self.formula == "paper":
-                running = 0.0
-                for s in subs:  # omega_i = sqrt(sum_{j<i} Var f_j); the empty sum gives 1
-                    s.omega = math.sqrt(running) if running > 0 else 1.0
-                    running += s.var_branch
-            out.extend(subs)
-        return out
+        return finalize_omega(self.formula, list(self.results.values()))
+
+
+def finalize_omega(formula: str, subs: list[SublayerProfile]) -> list[SublayerProfile]:
+    """Sort by stack and index and set each sub-layer's final omega. The reference recursion already
+    recorded the omega it used; the paper formula needs every earlier branch variance of the stack,
+    so it is computed here, from the complete list (also when stages measured parts of it)."""
+    out = []
+    for stack in ("encoder", "decoder"):
+        chain = sorted((s for s in subs if s.stack == stack), key=lambda s: s.index)
+        if formula == "paper":
+            running = 0.0
+            for s in chain:  # omega_i = sqrt(sum_{j<i} Var f_j); the empty sum gives 1
+                s.omega = math.sqrt(running) if running > 0 else 1.0
+                running += s.var_branch
+        out.extend(chain)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -120,8 +120,7 @@ class Trainer:
         self.rank, self.world = eng.rank(), eng.world_size()
         self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
         self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
-        if run.engine.pipeline_stages > 1:
-            raise ConfigError("engine.pipeline_stages > 1: the pipeline path is not available in this build")
+        self.pipeline = run.engine.pipeline_stages > 1
         self.dp = self.world // run.engine.pipeline_stages
         self.gas = self.ds["gradient_accumulation_steps"]
         self.zero = eng.zero_stage(self.ds)
@@ -147,8 +146,23 @@ class Trainer:
                       f"{cfg.model_dim}/{cfg.ffn_inner_dim}/{cfg.num_heads}, init={cfg.init}, "
                       f"norm={cfg.norm_order}, vocabulary {cfg.vocab_size}: "
                       f"{count_parameters(model) / 1e6:.2f}M parameters")
+        if self.pipeline:
+            from admin_ds.pipeline import build_pipeline, describe_partition
+
+            model = build_pipeline(cfg, model, run.engine.pipeline_stages, loss_fn=self._pipe_loss,
+                                   activation_checkpointing=run.engine.activation_checkpointing)
+            self.log.info(f"[pipeline] {run.engine.pipeline_stages} stages, cost-balanced partition:\n"
+                          + describe_partition(model))
         self.engine = eng.initialize(model, run, self.ds)
         self.model = self.engine.module
+        if self.pipeline:
+            grid = self.engine.grid
+            self.dp_rank, self.dp_group = grid.get_data_parallel_id(), grid.get_data_parallel_group()
+            self.pipe_group = grid.get_pipe_parallel_group()
+        else:
+            self.dp_rank, self.dp_group, self.pipe_group = self.rank, None, None
+        self._pipe_sums = torch.zeros(3, dtype=torch.float64)
+        self._pipe_scale = 1.0
 
         self.train_data = open_split(self.data_dir, "train", self.manifest)
         self.iterator = self._iterator(self.train_data, shuffle=True)
@@ -165,7 +179,7 @@ class Trainer:
     def _iterator(self, dataset, shuffle: bool, seed: Optional[int] = None) -> EpochBatchIterator:
         return EpochBatchIterator(dataset, self.run.data.max_tokens, self.model_cfg.pad_idx, self.model_cfg.eos_idx,
                                   seed=self.run.train.seed if seed is None else seed, num_replicas=self.dp,
-                                  rank=self.rank % self.dp, shuffle=shuffle, max_positions=self._max_positions(),
+                                  rank=self.dp_rank, shuffle=shuffle, max_positions=self._max_positions(),
                                   required_multiple=self.dp * self.gas if shuffle else self.dp)
 
     def _data_dir(self) -> Path:
@@ -208,8 +222,13 @@ class Trainer:
             return
         if run.admin.profile:
             profile = Profile.load(run.admin.profile)
-            profile.check_matches(self.model)
+            profile.check_matches(self.model_cfg)
             self.log.info(f"[admin] using the profile {run.admin.profile} ({profile.formula})")
+        elif self.pipeline:
+            t0 = time.perf_counter()
+            profile = self._profile_pipeline()
+            self.log.info(f"[admin] profiled omega across {run.engine.pipeline_stages} pipeline stages x "
+                          f"{self.dp} data-parallel ranks in {time.perf_counter() - t0:.2f}s ({run.admin.formula} formula)")
         else:
             t0 = time.perf_counter()
             first = self._iterator(self.train_data, shuffle=True).next_batch()
@@ -229,6 +248,46 @@ class Trainer:
         enc, dec = profile.omega("encoder"), profile.omega("decoder")
         self.log.info(f"[admin] omega: encoder {enc[0]:.3f} .. {enc[-1]:.3f}, decoder {dec[0]:.3f} .. {dec[-1]:.3f}")
 
+    def _profile_pipeline(self) -> Profile:
+        """Each stage profiles its sub-layers in one eval_batch (dropout kept on), statistics reduced
+        over the stage's data-parallel group, the running omega carried across stage boundaries;
+        then every stage's rows are combined over the pipeline group."""
+        from admin_ds.pipeline import pipeline_profiling
+        from admin_ds.profiling import OmegaRecorder, SublayerProfile, finalize_omega
+        from admin_ds.residual import iter_residuals
+
+        run, cfg = self.run, self.model_cfg
+        first = self._iterator(self.train_data, shuffle=True).next_batch()
+        local = [r for r in iter_residuals(self.model)]
+        start = {st: min((r.index for r in local if r.stack == st), default=1) for st in ("encoder", "decoder")}
+        recorder = OmegaRecorder(run.admin.formula, reduce_fn=lambda t: eng.all_reduce_sum(t, self.dp_group),
+                                 start_index=start)
+        torch.manual_seed(run.train.seed)
+        data = iter([((first["src_tokens"].to(self.device), first["tgt_in_tokens"].to(self.device)),
+                      first["target"].to(self.device))])
+        with pipeline_profiling(self.engine, recorder, mask_padding=run.admin.mask_padding):
+            self.engine.eval_batch(data, num_micro_batches=1)
+        # Combine: each stage fills its own rows (stage boundaries split the rows disjointly).
+        keys = [("encoder", i) for i in range(1, cfg.num_encoder_sublayers + 1)] + \
+               [("decoder", i) for i in range(1, cfg.num_decoder_sublayers + 1)]
+        rows = torch.zeros(len(keys), 4, dtype=torch.float64)
+        in_first_dp = self.dp_rank == 0  # the dp replicas of a stage hold identical, already reduced rows
+        for k, key in enumerate(keys):
+            sub = recorder.results.get(key)
+            if sub is not None and in_first_dp:
+                rows[k] = torch.tensor([sub.var_shortcut, sub.var_branch, sub.count, sub.omega], dtype=torch.float64)
+        eng.all_reduce_sum(rows)  # over the whole world: exactly one rank contributes each row
+        subs = [SublayerProfile(st, i, float(r[3]), var_branch=float(r[1]), var_shortcut=float(r[0]), count=int(r[2]))
+                for (st, i), r in zip(keys, rows)]
+        tokens = torch.tensor([first["src_tokens"].ne(cfg.pad_idx).sum(), first["tgt_in_tokens"].ne(cfg.pad_idx).sum()],
+                              dtype=torch.float64)
+        eng.all_reduce_sum(tokens, self.dp_group)
+        return Profile(formula=run.admin.formula, sublayers=finalize_omega(run.admin.formula, subs),
+                       tokens={"src": int(tokens[0]), "tgt": int(tokens[1])}, seed=run.train.seed,
+                       config_hash=cfg.config_hash(), mask_padding=run.admin.mask_padding,
+                       world={"data_parallel": self.dp, "pipeline": run.engine.pipeline_stages,
+                              "world_size": self.world})
+
     def write_omega(self, profile: Profile) -> None:
         values = {(s.stack, s.index): s.omega for s in profile.sublayers}
         full = {}
@@ -237,8 +296,8 @@ class Trainer:
                 full[f"{name}.omega"] = torch.full((self.model_cfg.model_dim,), values[(module.stack, module.index)],
                                                    dtype=torch.float32)
         eng.write_params(self.engine, full)
-        # Identical on every rank: gather a digest of the written values and compare.
-        digest = torch.tensor([sum(float(v[0]) * (i + 1) for i, v in enumerate(full.values()))], dtype=torch.float64)
+        # Identical on every rank: gather a digest of the whole profile and compare.
+        digest = torch.tensor([sum(s.omega * (i + 1) for i, s in enumerate(profile.sublayers))], dtype=torch.float64)
         if self.world > 1:
             gathered = [torch.zeros_like(digest) for _ in range(self.world)]
             torch.distributed.all_gather(gathered, digest)
@@ -246,11 +305,31 @@ class Trainer:
                 raise RuntimeError("omega differs between ranks after profiling")
 
     # ---- the update --------------------------------------------------------------------------------
+    def _pipe_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The pipeline's loss_fn (last stage). DeepSpeed divides the loss by the accumulation steps
+        and averages over data-parallel ranks; the scale set per update undoes both and divides by
+        the update's target tokens, as in the data-parallel path. Sums are kept for logging."""
+        loss, nll = label_smoothed_nll(logits, target, self.run.optim.label_smoothing, self.model_cfg.pad_idx)
+        self._pipe_sums += torch.tensor([loss.item(), nll.item(), float(target.ne(self.model_cfg.pad_idx).sum())],
+                                        dtype=torch.float64)
+        return loss * self._pipe_scale
+
+    def _pipe_batches(self, batches):
+        return iter([((b["src_tokens"].to(self.device), b["tgt_in_tokens"].to(self.device)), b["target"].to(self.device))
+                     for b in batches])
+
     def train_update(self) -> dict:
         """One optimizer update: GAS micro-batches on each rank (see the module docstring)."""
         mbs = [self.iterator.next_batch() for _ in range(self.gas)]
         local = torch.tensor([sum(b["ntokens"] for b in mbs), sum(b["nsentences"] for b in mbs)], dtype=torch.float64)
-        ntokens, nsentences = (int(v) for v in eng.all_reduce_sum(local))
+        # Every pipeline stage draws the same batches, so reducing over data-parallel ranks suffices.
+        ntokens, nsentences = (int(v) for v in eng.all_reduce_sum(local, self.dp_group))
+        if self.pipeline:
+            self._pipe_scale = self.dp * self.gas / ntokens
+            self._pipe_sums.zero_()
+            self.engine.train_batch(data_iter=self._pipe_batches(mbs))
+            sums = eng.all_reduce_sum(self._pipe_sums.clone())[:2]  # only last stages contributed
+            return self._finish_update(sums, ntokens, nsentences, _float(self.engine.get_global_grad_norm()))
         sums = torch.zeros(2, dtype=torch.float64)
         eps, pad = self.run.optim.label_smoothing, self.model_cfg.pad_idx
         grad_norm = None
@@ -264,7 +343,9 @@ class Trainer:
             sums += torch.tensor([loss.item(), nll.item()], dtype=torch.float64)
         if grad_norm is None:
             grad_norm = _float(self.engine.get_global_grad_norm())
-        eng.all_reduce_sum(sums)
+        return self._finish_update(eng.all_reduce_sum(sums), ntokens, nsentences, grad_norm)
+
+    def _finish_update(self, sums, ntokens: int, nsentences: int, grad_norm) -> dict:
         self.state.update += 1
         self.state.epoch = self.iterator.epoch
         self.state.tokens_seen += ntokens
@@ -276,6 +357,14 @@ class Trainer:
     def validate(self, split: str) -> dict:
         dataset = open_split(self.data_dir, split, self.manifest)
         it = self._iterator(dataset, shuffle=False)
+        if self.pipeline:
+            self._pipe_scale = 1.0
+            self._pipe_sums.zero_()
+            batches = [it.next_batch() for _ in range(it.batches_per_epoch)]
+            self.engine.eval_batch(self._pipe_batches(batches), num_micro_batches=len(batches))
+            sums = eng.all_reduce_sum(self._pipe_sums.clone())
+            nll = float(sums[1] / sums[2] / LN2)
+            return {"loss": float(sums[0] / sums[2] / LN2), "nll": nll, "ppl": 2 ** nll, "ntokens": int(sums[2])}
         sums = torch.zeros(3, dtype=torch.float64)
         self.engine.eval()
         for _ in range(it.batches_per_epoch):
@@ -292,7 +381,7 @@ class Trainer:
     def bleu(self, split: str) -> Optional[dict]:
         """Beam search on the raw source text of ``split`` with a consolidated fp32 copy of the model
         on rank 0, scored with sacreBLEU and tokenized BLEU. Collective (ZeRO-3 gathers)."""
-        state = eng.consolidated_state_dict(self.engine)
+        state = self._consolidated_state()
         if self.rank != 0:
             return None
         from admin_ds.decode import translate
@@ -320,6 +409,23 @@ class Trainer:
         return {"bleu": result["bleu"], "tok_bleu": result["tok_bleu"], "chrf": result["chrf"],
                 "signature": result["signature"], "copy_bleu": copy["bleu"], "sentences": len(hyps),
                 "decode_s": round(elapsed, 2)}
+
+    def _consolidated_state(self) -> Optional[dict]:
+        """The single-device model's state dict on rank 0 (None elsewhere). Collective."""
+        if not self.pipeline:
+            return eng.consolidated_state_dict(self.engine)
+        from admin_ds.pipeline import model_state_from_pipeline
+
+        local = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        mine = model_state_from_pipeline(self.model.layer_kinds, local) if self.dp_rank == 0 else {}
+        parts = [None] * self.world
+        torch.distributed.all_gather_object(parts, mine)
+        if self.rank != 0:
+            return None
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        return merged
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def client_state(self) -> dict:

@@ -87,9 +87,10 @@ def _trainer(run_overrides: list[str], ds: dict, tmp: str):
     return trainer
 
 
-def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, read_omega: bool = False) -> dict:
-    """Profile (or resume), run ``updates`` updates; report losses, grad norms, omega, and a
-    checksum of the fp32 parameters."""
+def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, read_omega: bool = False,
+                  save: bool = False) -> dict:
+    """Profile (or resume), run ``updates`` updates (then save, if asked); report losses, grad
+    norms, omega, and per-parameter checksums of the single-device model's state (rank 0)."""
     from admin_ds import engine as eng
 
     t = _trainer(run_overrides, ds, tmp)
@@ -106,8 +107,10 @@ def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, re
     if read_omega:
         vals = eng.read_params(t.engine, t.omega_names())
         omega = {n: [lp.tolist(), None if hp is None else hp.tolist()] for n, (lp, hp) in vals.items()}
-    with eng.gathered_module(t.engine):
-        params = {n: p.detach().double().sum().item() for n, p in t.engine.module.named_parameters()}
+    state = t._consolidated_state()
+    params = None if state is None else {n: v.double().sum().item() for n, v in state.items()}
+    if save:
+        t.save()
     return {"losses": losses, "grad_norms": norms, "profile": profile, "omega": omega, "params": params,
             "resumed": resumed, "update": t.state.update}
 

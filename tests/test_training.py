@@ -13,34 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import REPO, SMALL_DATA, spawn
+from distributed import REPO, spawn
 
-NO_DROPOUT = ["--model.dropout_p=0", "--model.attention_dropout_p=0", "--model.activation_dropout_p=0"]
-ZERO = {s: {"zero_optimization": {"stage": s}, "gradient_accumulation_steps": 1} for s in (0, 1, 2, 3)}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from admin_ds.data.binarize import prepare_default_data
-
-    out = tmp_path_factory.mktemp("data") / "default"
-    prepare_default_data(out, n_pairs=SMALL_DATA["default_pairs"], vocab_size=SMALL_DATA["default_vocab_size"],
-                         seed=1, log=lambda *_: None)
-    return out
-
-
-def overrides(tmp: Path, data_dir: Path, *extra) -> list:
-    return [f"--data.path={data_dir}", f"--data.max_tokens={SMALL_DATA['max_tokens']}", f"--train.run_dir={tmp}",
-            "--optim.warmup_updates=4", "--optim.lr=2e-3", "--train.final_eval=false", *extra]
-
-
-@pytest.fixture(scope="module")
-def fixed_profile(tmp_path_factory, data_dir):
-    """One profile shared by runs whose layouts must not change omega."""
-    tmp = tmp_path_factory.mktemp("profile")
-    spawn(1, "profile_only", tmp / "out", run_overrides=overrides(tmp / "run", data_dir, *NO_DROPOUT),
-          ds=ZERO[0], tmp=str(tmp))
-    return tmp / "run" / "admin_profile.json"
+from conftest import NO_DROPOUT, ZERO, overrides
 
 
 def rel(a, b):
@@ -186,7 +161,7 @@ def _refused(*args, ds=None, tmp=None):
 
 @pytest.mark.parametrize("ds,extra,message", [
     ({"zero_optimization": {"stage": 2}}, ["--engine.pipeline_stages=2"],
-     "engine.pipeline_stages=2 does not divide the world size 1"),
+     "pipeline with 2 stages needs at least 2 ranks; the world has 1"),
     ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, [],
      "train_batch_size=8 != train_micro_batch_size_per_gpu (1) x gradient_accumulation_steps (2) x data-parallel size (1)"),
     ({"gradient_clipping": 1.0}, [], "'gradient_clipping' is set in the DeepSpeed JSON; it belongs to the run config (optim.clip_norm)"),

@@ -1,0 +1,301 @@
+"""The self-contained fp32 model file, and fp32 weights out of a training checkpoint.
+
+A *model file* is what leaves a run: one ``torch.save`` of plain data, readable with
+``torch.load(..., weights_only=True)`` (tensors, dicts, lists, str, int, float, None and bytes
+only, so opening a file from elsewhere runs no pickled code)::
+
+    {"format": "admin-ds-model", "version": 1,
+     "model_config": ModelConfig.to_dict(), "state_dict": {name: float32 tensor},
+     "profile": Profile.to_dict() | None, "run_config": RunConfig.to_dict() | None,
+     "subword_model": the SentencePiece model's bytes, "meta": {provenance}}
+
+It carries everything needed to translate (weights, architecture, the exact subword model) and to
+audit where it came from (the run config, the Admin profile, the source checkpoint and update).
+
+``load_run_checkpoint`` turns a DeepSpeed checkpoint of a run into the same ``ModelFile``. The fp32
+weights come from DeepSpeed's own consolidation, which knows every layout it writes:
+
+* ZeRO-1/2/3 (data parallel, any world size): ``deepspeed.utils.zero_to_fp32.
+  get_fp32_state_dict_from_zero_checkpoint`` merges the fp32 master partitions of all ranks
+  (in bf16/fp16 runs too: the masters, not the 16-bit module copy).
+* ZeRO-0: that function refuses (``TypeError``: the checkpoint has no ``param_shapes``; checked with
+  DeepSpeed 0.19.8), because nothing is partitioned: the full model is the ``module`` entry of
+  ``mp_rank_00_model_states.pt``. In an fp32 run it *is* the fp32 weights. In a bf16/fp16 run it
+  holds 16-bit copies; the fp32 masters are then the optimizer's ``fp32_groups`` (one list of
+  tensors per parameter group, in the order the parameters were given to the optimizer:
+  ``model.parameters()`` with requires_grad, see engine.initialize), matched by name and shape.
+* pipeline checkpoints (``layout.pipeline > 1``) hold per-layer files instead: not supported here
+  yet (``NotImplementedError``).
+
+DeepSpeed stays out of the training-free path: loading a model file never imports it, and
+``load_run_checkpoint`` imports only its checkpoint-reading utilities, inside the function.
+(engine.py remains the one owner of training-time DeepSpeed; consolidating a finished checkpoint
+is reading files, not running an engine.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from admin_ds import atomic
+from admin_ds.config import ModelConfig
+
+FORMAT = "admin-ds-model"
+VERSION = 1
+
+# The file of a DeepSpeed tag that carries the client state: ZeRO-0/1/2 and pipeline runs write
+# mp_rank_00_model_states.pt, ZeRO-3 writes one zero_pp_rank_{r}_... file per rank instead.
+_CLIENT_STATE_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+_HINT = "; for a DeepSpeed checkpoint pass its run directory or its update_NNNNNN directory"
+
+
+class ModelFileError(ValueError):
+    """A model file or checkpoint cannot be used; the message names the path and the reason."""
+
+
+@dataclass
+class ModelFile:
+    model_config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    profile: Optional[dict]
+    run_config: Optional[dict]
+    subword_model_bytes: bytes
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def subword_sha256(self) -> str:
+        return hashlib.sha256(self.subword_model_bytes).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# The model file
+# --------------------------------------------------------------------------------------------
+
+
+def save_model_file(path: str | os.PathLike, model_config: ModelConfig, state_dict: dict,
+                    profile: Optional[dict], run_config: Optional[dict], subword_model_bytes: bytes,
+                    meta: dict) -> Path:
+    """Write a model file atomically (a reader sees the old file or the complete new one).
+    Floating-point tensors are stored as contiguous float32 clones (fp32 is the interchange
+    precision; cast at load time with ``build_from_model_file(..., dtype=...)``)."""
+    tensors = {k: (v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu())
+               .contiguous().clone() for k, v in state_dict.items()}
+    blob = {"format": FORMAT, "version": VERSION, "model_config": model_config.to_dict(),
+            "state_dict": tensors, "profile": profile, "run_config": run_config,
+            "subword_model": bytes(subword_model_bytes), "meta": dict(meta)}
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    return atomic.write_bytes(path, buf.getvalue())
+
+
+def load_model_file(path: str | os.PathLike) -> ModelFile:
+    """Read a model file (``weights_only=True``: no pickled code runs). Raises ``ModelFileError``
+    naming the file when it is missing or is not a model file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such model file")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError) as e:
+        raise ModelFileError(f"{path}: not an admin-ds model file (a weights-only torch.load "
+                             f"failed: {type(e).__name__}){_HINT}") from None
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+        raise ModelFileError(f"{path}: not an admin-ds model file (no '{FORMAT}' format marker){_HINT}")
+    if blob.get("version") != VERSION:
+        raise ModelFileError(f"{path}: model file version {blob.get('version')!r}; this code reads "
+                             f"version {VERSION}")
+    return ModelFile(model_config=ModelConfig.from_dict(blob["model_config"]),
+                     state_dict=blob["state_dict"], profile=blob["profile"],
+                     run_config=blob["run_config"], subword_model_bytes=blob["subword_model"],
+                     meta=blob["meta"])
+
+
+def build_from_model_file(mf: ModelFile, device: str | torch.device = "cpu",
+                          dtype: torch.dtype = torch.float32):
+    """``(model, SubwordModel)`` ready to decode: the model in eval mode on ``device`` in
+    ``dtype``. The model is built on the CPU in fp32 first (its init is wasted work, but it also
+    recomputes the non-persistent sinusoid table exactly as training did), then cast and moved."""
+    from admin_ds.model import build_model
+    from admin_ds.subword import SubwordModel
+
+    model = build_model(mf.model_config)
+    model.load_state_dict(mf.state_dict, strict=True)
+    model = model.to(device=device, dtype=dtype).eval()
+    # SubwordModel reads the bytes once in its constructor, so the file can go right after.
+    with tempfile.TemporaryDirectory(prefix="admin_ds_spm_") as tmp:
+        spm_path = Path(tmp, "spm.model")
+        spm_path.write_bytes(mf.subword_model_bytes)
+        subword = SubwordModel(spm_path)
+    return model, subword
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed checkpoints of a run
+# --------------------------------------------------------------------------------------------
+
+
+def _locate(path: Path, tag: Optional[str]) -> tuple[Path, str]:
+    """(checkpoints dir, tag) for a run dir, a run's ``checkpoints`` dir or a tag dir."""
+    from admin_ds.checkpoint import COMPLETE, is_complete, newest_complete
+
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such run directory, checkpoint directory or model file")
+    if not path.is_dir():
+        raise ModelFileError(f"{path}: not a directory")
+    if any((path / f).is_file() for f in _CLIENT_STATE_FILES) or (path / COMPLETE).exists():
+        if tag is not None and tag != path.name:
+            raise ModelFileError(f"{path}: a tag directory was given together with tag={tag!r}")
+        ckpt_dir, tag = path.parent, path.name
+    else:
+        ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        if tag is None:
+            tag = newest_complete(ckpt_dir)
+            if tag is None:
+                raise ModelFileError(f"{path}: no complete checkpoint (no update_NNNNNN/ with a "
+                                     f"{COMPLETE} marker under {ckpt_dir})")
+    tag_dir = ckpt_dir / tag
+    if not tag_dir.is_dir():
+        raise ModelFileError(f"{tag_dir}: no such checkpoint")
+    if not is_complete(tag_dir):
+        raise ModelFileError(f"{tag_dir}: checkpoint is incomplete (no {COMPLETE} marker: a save "
+                             f"that was interrupted)")
+    return ckpt_dir, tag
+
+
+def _load_states_file(path: Path) -> dict:
+    """DeepSpeed's model-states file of a tag. ``weights_only=True`` reads it with DeepSpeed
+    0.19.8 (checked for ZeRO-0/2/3, fp32 and bf16). If a DeepSpeed version or optimizer stores
+    objects outside the safe allowlist, fall back to a full unpickle: this is DeepSpeed's internal
+    file, written by our own training run (not a file to be shared, which is what the model file
+    is for), and DeepSpeed itself loads it with weights_only=False."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Keep stdout for results (translations): zero_to_fp32 reports its progress with print(), and
+    DeepSpeed's logger, created at its import, writes to whatever sys.stdout is at that moment."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def _zero0_weights(states: dict, model_config: ModelConfig, source: Path) -> tuple[dict, str]:
+    """Full weights of a ZeRO-0 checkpoint: ``module``, with the optimizer's fp32 masters in place
+    of 16-bit copies (see the module docstring)."""
+    module = states.get("module")
+    if not module:
+        raise ModelFileError(f"{source}: no 'module' entry: not a ZeRO-0 data-parallel checkpoint")
+    weights = {k: v for k, v in module.items()}
+    if all(v.dtype == torch.float32 for v in weights.values() if v.is_floating_point()):
+        return weights, "module (fp32 run)"
+    groups = (states.get("optimizer") or {}).get("fp32_groups")
+    if not groups:
+        raise ModelFileError(f"{source}: 16-bit module weights and no fp32 master copies "
+                             f"(optimizer.fp32_groups) to take fp32 weights from")
+    from admin_ds.model import build_model
+
+    with torch.device("meta"):  # names and shapes only
+        skeleton = build_model(model_config)
+    trainable = [(n, p.shape) for n, p in skeleton.named_parameters() if p.requires_grad]
+    masters = [t for group in groups for t in group]
+    shapes_ok = len(masters) == len(trainable) and all(
+        tuple(m.shape) == tuple(s) for m, (_, s) in zip(masters, trainable))
+    if not shapes_ok:
+        raise ModelFileError(f"{source}: the optimizer's fp32 master copies do not match the model's "
+                             f"parameters ({len(masters)} tensors for {len(trainable)} parameters)")
+    for (name, _), master in zip(trainable, masters):
+        weights[name] = master.float()
+    return weights, "module + optimizer fp32_groups (16-bit run)"
+
+
+def _subword_bytes(run_dir: Path, run_config: Optional[dict], expected_sha: Optional[str]) -> tuple[bytes, dict]:
+    """The run's SentencePiece model (bytes) and its data manifest, checked against the sha256
+    the checkpoint recorded."""
+    data_path = (run_config or {}).get("data", {}).get("path")
+    data_dir = Path(data_path) if data_path else run_dir / "data"
+    manifest_path = data_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    spm_path = data_dir / manifest.get("subword_model", "spm.model")
+    if not spm_path.is_file():
+        raise ModelFileError(f"{spm_path}: the run's subword model is missing (data.path="
+                             f"{data_path!r}; run {run_dir})")
+    data = spm_path.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    if expected_sha and sha != expected_sha:
+        raise ModelFileError(f"{spm_path}: sha256 {sha[:12]}... differs from the {expected_sha[:12]}... "
+                             f"the checkpoint was trained with; the data directory was changed")
+    return data, manifest
+
+
+def load_run_checkpoint(run_dir_or_tag_dir: str | os.PathLike, tag: Optional[str] = None) -> ModelFile:
+    """fp32 weights, configs, profile and subword model of one complete checkpoint.
+
+    ``run_dir_or_tag_dir``: a run directory (``tag`` or else its newest complete checkpoint), its
+    ``checkpoints`` directory, or one ``update_NNNNNN`` tag directory."""
+    with _stdout_to_stderr():
+        return _load_run_checkpoint(Path(run_dir_or_tag_dir), tag)
+
+
+def _load_run_checkpoint(path: Path, tag: Optional[str]) -> ModelFile:
+    ckpt_dir, tag = _locate(path, tag)
+    tag_dir = ckpt_dir / tag
+    states_file = next((tag_dir / f for f in _CLIENT_STATE_FILES if (tag_dir / f).is_file()), None)
+    if states_file is None:
+        raise ModelFileError(f"{tag_dir}: no DeepSpeed model-states file ({' or '.join(_CLIENT_STATE_FILES)})")
+    states = _load_states_file(states_file)
+    client = states.get("admin_ds")
+    if not client:
+        raise ModelFileError(f"{states_file}: no 'admin_ds' client state: not a checkpoint of this code")
+    layout = client.get("layout", {})
+    if layout.get("pipeline", 1) > 1:
+        raise NotImplementedError(
+            f"{tag_dir}: a pipeline checkpoint (layout: pipeline={layout['pipeline']}, "
+            f"data_parallel={layout.get('data_parallel')}); reading its per-layer files is not "
+            f"implemented yet (DEEPSPEED_NOTES.md section 4: zero_to_fp32 fails on them)")
+    model_config = ModelConfig.from_dict(client["model_config"])
+
+    if layout.get("zero", 0) >= 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        how = "deepspeed zero_to_fp32"
+    else:
+        weights, how = _zero0_weights(states, model_config, states_file)
+    del states  # the optimizer state of a ZeRO-0 checkpoint can be large
+
+    run_dir = ckpt_dir.parent
+    run_config = client.get("run_config")
+    spm_bytes, manifest = _subword_bytes(run_dir, run_config, client.get("subword_sha256"))
+    meta = {"source": str(tag_dir.resolve()), "tag": tag,
+            "update": client.get("train_state", {}).get("update"), "layout": layout,
+            "weights_from": how, "src_lang": manifest.get("src_lang"),
+            "tgt_lang": manifest.get("tgt_lang"), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return ModelFile(model_config=model_config,
+                     state_dict={k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
+                     profile=client.get("profile"), run_config=run_config,
+                     subword_model_bytes=spm_bytes, meta=meta)
+
+
+def load_any(path: str | os.PathLike, tag: Optional[str] = None) -> ModelFile:
+    """A model file, a run directory or a checkpoint tag directory, whichever ``path`` is."""
+    path = Path(path)
+    if path.is_file():
+        return load_model_file(path)
+    return load_run_checkpoint(path, tag)

@@ -1,0 +1,425 @@
+"""The preparation steps, in order, each resumable (see :mod:`data_prep.steps`):
+
+    clean     training pairs -> work/train.clean.{SRC,TGT}     decode, normalise, drop empty and
+                                                               duplicate pairs (parallel, ordered)
+    subword   work/train.clean.* -> spm.model, spm.vocab       joint SentencePiece on a sample
+    train     work/train.clean.* -> train.{SRC,TGT}.{bin,idx}  encode, length/ratio filter,
+                                                               binarize (parallel, ordered)
+    valid     dev pairs  -> valid.{SRC,TGT}.{bin,idx} + valid.{SRC,TGT} text (no filtering)
+    test      test pairs -> test.{SRC,TGT}.{bin,idx}  + test.{SRC,TGT} text
+    manifest  manifest.json: counts, checksums, filters, sources, options, command, versions
+
+The evaluation text files: ``{split}.{SRC}`` is the *normalised* source (what the binarized
+split holds, so that translating it for BLEU feeds the model text like its training data: raw
+typographic quotes would otherwise be unknown characters), ``{split}.{TGT}`` the *original*
+reference (entities unescaped, nothing else changed: detokenized sacreBLEU scores against it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from data_prep import PrepError
+from data_prep.clean import (DigestSet, PunctNormalizer, clean_chunk, decode_side, encode_chunk,
+                             init_clean_worker, init_encode_worker, normalize)
+from data_prep.steps import AtomicOutput, StepLog, chunked, make_key, ordered_map
+
+# Bump when a change to the code changes what a step writes: old step records then stop matching.
+PREP_VERSION = 1
+MANIFEST = "manifest.json"  # == admin_ds.data.binarize.MANIFEST (not imported: it pulls in torch)
+# Test hook: seconds to sleep per chunk while binarizing the training split, so that a test can
+# kill the process in the middle of that step.
+SLOW_ENV = "DATA_PREP_TEST_SLOW_BINARIZE"
+
+
+@dataclass(frozen=True)
+class SubwordOptions:
+    vocab_size: int
+    model_type: str = "bpe"
+    user_symbols: tuple[str, ...] = ("<BT>",)
+    sample_lines: int = 10_000_000
+    threads: int = 8  # part of the key: SentencePiece's result depends on its thread count
+    seed: int = 1
+    character_coverage: float = 1.0
+
+
+@dataclass(frozen=True)
+class FilterOptions:
+    min_len: int = 1
+    max_len: int = 250
+    ratio: float = 1.5
+    max_line_bytes: int = 4096
+
+
+@dataclass
+class Plan:
+    """Everything resolved from the command line: languages, sources, options."""
+    src: str
+    tgt: str
+    out: Path
+    train: list  # pair sources (data_prep.sources), read in order
+    evals: dict  # "valid" / "test" -> pair source
+    eval_names: dict  # "valid" / "test" -> what the set is, for the manifest
+    subword: SubwordOptions
+    filters: FilterOptions
+    workers: int = 1
+    chunk_lines: int = 10_000
+    quiet: bool = False
+    remove_work: bool = False
+    command: str = ""
+    expect_test_lines: int | None = None  # --filtered-test: 2737
+    log: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    @property
+    def work(self) -> Path:
+        return self.out / "work"
+
+    def clean_paths(self) -> tuple[str, str]:
+        return f"work/train.clean.{self.src}", f"work/train.clean.{self.tgt}"
+
+
+def prepare(plan: Plan) -> Path:
+    """Run (or resume) every step; return the data directory. Idempotent: with the same inputs
+    and options a complete directory is only verified."""
+    t0 = time.perf_counter()
+    log = plan.log
+    eval_pairs = {split: read_eval_pairs(plan, split) for split in ("valid", "test")}
+    log(f"[prep] fingerprinting the inputs ({', '.join(s.describe() for s in plan.train)})")
+    train_fp = [s.fingerprint() for s in plan.train]
+    eval_fp = {split: plan.evals[split].fingerprint() for split in eval_pairs}
+    request_key = make_key({"version": PREP_VERSION, "pair": [plan.src, plan.tgt], "train": train_fp,
+                            "eval": eval_fp, "subword": asdict(plan.subword),
+                            "filters": asdict(plan.filters)})
+    # Everything above only read the inputs: a broken input file leaves no output folder behind.
+    with open_output_dir(plan.out):
+        if _complete(plan.out, request_key):
+            log(f"[prep] {plan.out} is already prepared with these inputs and options (manifest verified)")
+            return plan.out
+        _run_steps(plan, request_key, train_fp, eval_fp, eval_pairs)
+    log(f"[prep] done in {time.perf_counter() - t0:.1f}s: {plan.out}")
+    return plan.out
+
+
+def _run_steps(plan: Plan, request_key: str, train_fp: list, eval_fp: dict, eval_pairs: dict) -> None:
+    log = plan.log
+    # From here on the directory is being changed: it must not look complete until the end.
+    (plan.out / MANIFEST).unlink(missing_ok=True)
+    plan.work.mkdir(exist_ok=True)
+    steps = StepLog(plan.out, plan.work)
+    clean = _step(steps, "clean", {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
+                                   "train": train_fp, "max_line_bytes": plan.filters.max_line_bytes},
+                  lambda key: run_clean(plan, steps, key), log)
+    clean_digests = {k: v["sha256"] for k, v in clean["outputs"].items()}
+    subword = _step(steps, "subword", {"version": PREP_VERSION, "clean": clean_digests,
+                                       "options": asdict(plan.subword)},
+                    lambda key: run_subword(plan, steps, key), log)
+    spm_sha = subword["outputs"]["spm.model"]["sha256"]
+    train = _step(steps, "train", {"version": PREP_VERSION, "clean": clean_digests, "spm": spm_sha,
+                                   "filters": asdict(plan.filters)},
+                  lambda key: run_binarize_train(plan, steps, key, clean["stats"]["kept"]), log)
+    evals = {split: _step(steps, split, {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
+                                         "source": eval_fp[split], "spm": spm_sha},
+                          lambda key, split=split: run_eval_split(plan, steps, key, split,
+                                                                  eval_pairs[split]), log)
+             for split in ("valid", "test")}
+    write_data_manifest(plan, request_key, clean, subword, train, evals)
+    if plan.remove_work:
+        shutil.rmtree(plan.work, ignore_errors=True)
+
+
+def open_output_dir(out: Path):
+    """Create the output folder, check that it is writable, and lock it against a second
+    preparation running in it at the same time. Returns the lock's file (keep it open)."""
+    if out.exists() and not out.is_dir():
+        raise PrepError(f"{out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+        lock = open(out / ".prepare.lock", "a")
+    except OSError as e:
+        raise PrepError(f"{out}: cannot write to the output folder: {e.strerror or e}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise PrepError(f"{out}: another preparation is running in this folder") from None
+    return lock
+
+
+def _step(steps: StepLog, name: str, inputs: dict, run: Callable[[str], dict], log) -> dict:
+    key = make_key(inputs)
+    record = steps.done(name, key)
+    if record is not None:
+        log(f"[prep] {name}: already done (outputs verified), skipped")
+        return record
+    steps.invalidate(name)
+    return run(key)
+
+
+def _complete(out: Path, request_key: str) -> bool:
+    if not (out / MANIFEST).is_file():
+        return False
+    from admin_ds.data.binarize import load_manifest
+
+    try:
+        return load_manifest(out, verify=True).get("prep_key") == request_key
+    except (ValueError, FileNotFoundError, KeyError):
+        return False
+
+
+# ---- reading the evaluation sets --------------------------------------------------------------
+
+def read_eval_pairs(plan: Plan, split: str) -> dict:
+    """Read a dev/test set whole (a few thousand lines) before any step runs, so that a broken
+    file fails the run before hours of training-data processing. Nothing is filtered: a pair is
+    only dropped when a side is not valid UTF-8 (counted and warned about)."""
+    source = plan.evals[split]
+    src_text, tgt_text, invalid = [], [], 0
+    for raw_src, raw_tgt in source:
+        s, t = decode_side(raw_src), decode_side(raw_tgt)
+        if s is None or t is None:
+            invalid += 1
+            continue
+        src_text.append(s)
+        tgt_text.append(t)
+    dropped = dict(source.dropped, invalid_utf8=invalid)
+    lost = sum(dropped.values())
+    if lost:
+        plan.log(f"warning: {source.describe()}: {lost} {split} pairs dropped ({_counts(dropped)})")
+    if not src_text:
+        raise PrepError(f"{source.describe()}: the {split} set is empty")
+    if split == "test" and plan.expect_test_lines and len(src_text) != plan.expect_test_lines:
+        raise PrepError(f"{source.describe()}: {len(src_text)} test segments, but the filtered "
+                        f"En-De newstest2014 (--filtered-test) has {plan.expect_test_lines}")
+    return {"src": src_text, "tgt": tgt_text,
+            "stats": {"read": len(src_text) + lost, **dropped, "kept": len(src_text),
+                      "empty_kept": sum(1 for s, t in zip(src_text, tgt_text) if not s.strip() or not t.strip())}}
+
+
+def _counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items() if v)
+
+
+# ---- step: clean ------------------------------------------------------------------------------
+
+def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
+    """Raw training pairs -> normalised, non-empty, deduplicated text, in input order."""
+    t0 = time.perf_counter()
+    src_name, tgt_name = plan.clean_paths()
+    seen = DigestSet()
+    stats = {"read": 0, "overlong": 0, "malformed": 0, "invalid_utf8": 0, "empty": 0, "duplicate": 0}
+    total = sum(len(s) for s in plan.train) if all(hasattr(s, "__len__") for s in plan.train) else None
+
+    def raw_pairs():
+        for source in plan.train:
+            plan.log(f"[prep] clean: reading {source.describe()}")
+            yield from source
+            for name, n in source.dropped.items():
+                stats[name] += n
+                if n:
+                    plan.log(f"warning: {source.describe()}: {n} pairs dropped ({name})")
+
+    kept = 0
+    chunks = ordered_map(clean_chunk, chunked(raw_pairs(), plan.chunk_lines), plan.workers,
+                         init_clean_worker, (plan.src, plan.tgt))
+    with AtomicOutput(plan.out / src_name) as f_src, AtomicOutput(plan.out / tgt_name) as f_tgt, \
+            tqdm(total=total, unit=" pairs", desc="clean", disable=plan.quiet or None, mininterval=1) as bar:
+        for chunk in chunks:
+            fresh = seen.add_new(chunk.digests)
+            for name, n in chunk.dropped.items():
+                stats[name] += n
+            stats["duplicate"] += int(fresh.size - fresh.sum())
+            idx = np.flatnonzero(fresh)
+            if idx.size:
+                f_src.write(("\n".join(chunk.src[i] for i in idx) + "\n").encode("utf-8"))
+                f_tgt.write(("\n".join(chunk.tgt[i] for i in idx) + "\n").encode("utf-8"))
+            kept += int(idx.size)
+            bar.update(len(chunk.src) + sum(chunk.dropped.values()))
+        stats["read"] = kept + sum(v for k, v in stats.items() if k != "read")
+        stats["kept"] = kept
+        if kept == 0:  # raised inside the with: the empty outputs are discarded
+            raise PrepError(f"no training pairs left after cleaning {', '.join(s.describe() for s in plan.train)} "
+                            f"({_counts(stats)})")
+    dt = time.perf_counter() - t0
+    plan.log(f"[prep] clean: {stats['read']} pairs read, {kept} kept ({_counts({k: v for k, v in stats.items() if k not in ('read', 'kept')}) or 'none dropped'}); "
+             f"{dt:.1f}s, {stats['read'] / max(dt, 1e-9):.0f} pairs/s; duplicate filter {seen.nbytes / 2**20:.0f} MiB")
+    return steps.mark_done("clean", key, [src_name, tgt_name], stats)
+
+
+# ---- step: subword model ----------------------------------------------------------------------
+
+def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
+    """A joint SentencePiece model on (a sample of) both cleaned sides."""
+    from admin_ds.subword import VocabSizeError, train_subword_model
+
+    t0 = time.perf_counter()
+    opt = plan.subword
+    plan.log(f"[prep] subword: training a joint {opt.model_type} SentencePiece model, vocabulary "
+             f"{opt.vocab_size}, on up to {opt.sample_lines} sampled lines")
+    # SentencePiece records the input paths inside the model: train from inside the output folder
+    # with relative names, so that the model's bytes (and sha256) do not depend on where it lives.
+    cwd = os.getcwd()
+    os.chdir(plan.out)
+    try:
+        train_subword_model(list(plan.clean_paths()), plan.out.resolve() / "spm", opt.vocab_size,
+                            model_type=opt.model_type, character_coverage=opt.character_coverage,
+                            input_sentence_size=opt.sample_lines, user_defined_symbols=opt.user_symbols,
+                            seed=opt.seed, num_threads=opt.threads)
+    except VocabSizeError as e:
+        raise PrepError(f"--vocab-size: {e}") from None
+    finally:
+        os.chdir(cwd)
+    plan.log(f"[prep] subword: {time.perf_counter() - t0:.1f}s")
+    return steps.mark_done("subword", key, ["spm.model", "spm.vocab"], {"seconds": time.perf_counter() - t0})
+
+
+# ---- step: binarize the training split --------------------------------------------------------
+
+def run_binarize_train(plan: Plan, steps: StepLog, key: str, total: int) -> dict:
+    """Encode the cleaned pairs in worker processes, drop those outside the length and ratio
+    limits, and stream the rest into train.{SRC,TGT}.{bin,idx} in input order."""
+    from admin_ds.data.indexed import IndexedDatasetWriter
+    from admin_ds.subword import UNK, SubwordModel
+
+    t0 = time.perf_counter()
+    vocab = SubwordModel(plan.out / "spm.model").vocab_size
+    src_name, tgt_name = plan.clean_paths()
+    slow = float(os.environ.get(SLOW_ENV, "0") or 0)
+
+    def cleaned_pairs():
+        with open(plan.out / src_name, "rb") as fs, open(plan.out / tgt_name, "rb") as ft:
+            for s, t in zip(fs, ft):
+                yield s.rstrip(b"\n"), t.rstrip(b"\n")
+
+    f = plan.filters
+    stats = {"too_short": 0, "too_long": 0, "ratio": 0, "kept": 0, "src_tokens": 0, "tgt_tokens": 0,
+             "src_unk": 0, "tgt_unk": 0}
+    chunks = ordered_map(encode_chunk, chunked(cleaned_pairs(), plan.chunk_lines), plan.workers,
+                         init_encode_worker, (str(plan.out / "spm.model"), f.min_len, f.max_len, f.ratio))
+    with IndexedDatasetWriter(plan.out / f"train.{plan.src}", vocab) as w_src, \
+            IndexedDatasetWriter(plan.out / f"train.{plan.tgt}", vocab) as w_tgt, \
+            tqdm(total=total, unit=" pairs", desc="binarize", disable=plan.quiet or None, mininterval=1) as bar:
+        for chunk in chunks:
+            for side, writer, ids, lens in (("src", w_src, chunk.src_ids, chunk.src_lens),
+                                            ("tgt", w_tgt, chunk.tgt_ids, chunk.tgt_lens)):
+                _add_sentences(writer, ids, lens)
+                stats[f"{side}_tokens"] += int(ids.size)
+                stats[f"{side}_unk"] += int(np.count_nonzero(ids == UNK))
+            for name, n in chunk.dropped.items():
+                stats[name] += n
+            stats["kept"] += int(chunk.src_lens.size)
+            bar.update(int(chunk.src_lens.size) + sum(chunk.dropped.values()))
+            if slow:
+                time.sleep(slow)
+        if stats["kept"] == 0:
+            raise PrepError(f"no training pairs left after the length filters "
+                            f"({f.min_len}..{f.max_len} subwords, ratio {f.ratio}): {_counts(stats)}")
+    dt = time.perf_counter() - t0
+    plan.log(f"[prep] train: {stats['kept']} pairs binarized (dropped: too_short {stats['too_short']}, "
+             f"too_long {stats['too_long']}, ratio {stats['ratio']}); {dt:.1f}s, {total / max(dt, 1e-9):.0f} pairs/s "
+             f"with {plan.workers} worker(s)")
+    outputs = [f"train.{lang}.{ext}" for lang in (plan.src, plan.tgt) for ext in ("bin", "idx")]
+    return steps.mark_done("train", key, outputs, stats)
+
+
+def _add_sentences(writer, ids: np.ndarray, lens: np.ndarray) -> None:
+    offsets = np.concatenate(([0], np.cumsum(lens)))
+    for i in range(lens.size):
+        writer.add(ids[offsets[i]:offsets[i + 1]])
+
+
+# ---- steps: valid and test --------------------------------------------------------------------
+
+def run_eval_split(plan: Plan, steps: StepLog, key: str, split: str, pairs: dict) -> dict:
+    """Binarize a dev/test set unfiltered and keep its text for BLEU (see the module docstring)."""
+    from admin_ds.data.indexed import IndexedDatasetWriter
+    from admin_ds.subword import UNK, SubwordModel
+
+    sp = SubwordModel(plan.out / "spm.model")
+    punct = {lang: PunctNormalizer(lang) for lang in (plan.src, plan.tgt)}
+    normalized = {plan.src: [normalize(s, punct[plan.src]) for s in pairs["src"]],
+                  plan.tgt: [normalize(t, punct[plan.tgt]) for t in pairs["tgt"]]}
+    text = {plan.src: normalized[plan.src], plan.tgt: pairs["tgt"]}
+    stats = dict(pairs["stats"])
+    for side, lang in (("src", plan.src), ("tgt", plan.tgt)):
+        ids = sp.encode(normalized[lang])
+        with IndexedDatasetWriter(plan.out / f"{split}.{lang}", sp.vocab_size) as writer:
+            for seq in ids:
+                writer.add(np.asarray(seq, dtype=np.int64))
+        stats[f"{side}_tokens"] = sum(len(x) for x in ids)
+        stats[f"{side}_unk"] = sum(x.count(UNK) for x in ids)
+        with AtomicOutput(plan.out / f"{split}.{lang}") as f:
+            f.write("".join(line + "\n" for line in text[lang]).encode("utf-8"))
+    plan.log(f"[prep] {split}: {stats['kept']} pairs from {plan.evals[split].describe()} ({plan.eval_names[split]})")
+    outputs = [f"{split}.{lang}{ext}" for lang in (plan.src, plan.tgt) for ext in (".bin", ".idx", "")]
+    return steps.mark_done(split, key, outputs, stats)
+
+
+# ---- the manifest -----------------------------------------------------------------------------
+
+def write_data_manifest(plan: Plan, request_key: str, clean: dict, subword: dict, train: dict,
+                        evals: dict) -> Path:
+    """The manifest of admin_ds.data.binarize (what training reads: languages, subword model,
+    splits, checksummed files), extended with what this preparation did."""
+    from admin_ds.data.binarize import write_manifest
+    from admin_ds.subword import SubwordModel
+
+    sp = SubwordModel(plan.out / "spm.model")
+    s, t = plan.src, plan.tgt
+    ts = train["stats"]
+    splits = {"train": {"lines": ts["kept"], "src_tokens": ts["src_tokens"], "tgt_tokens": ts["tgt_tokens"],
+                        "src_unk": ts["src_unk"], "tgt_unk": ts["tgt_unk"]}}
+    filters = {"train": {**clean["stats"], **{k: ts[k] for k in ("too_short", "too_long", "ratio")},
+                         "kept": ts["kept"]}}
+    for split, record in evals.items():
+        st = record["stats"]
+        splits[split] = {"lines": st["kept"], "src_tokens": st["src_tokens"], "tgt_tokens": st["tgt_tokens"],
+                         "src_unk": st["src_unk"], "tgt_unk": st["tgt_unk"]}
+        filters[split] = {k: v for k, v in st.items() if not k.endswith(("_tokens", "_unk"))}
+    filters["train"]["kept"] = ts["kept"]
+    files = ["spm.model", "spm.vocab"]
+    for split in ("train", "valid", "test"):
+        files += [f"{split}.{lang}.{ext}" for lang in (s, t) for ext in ("bin", "idx")]
+        if split != "train":
+            files += [f"{split}.{s}", f"{split}.{t}"]
+    path = write_manifest(plan.out, {
+        "src_lang": s, "tgt_lang": t, "subword_model": "spm.model", "subword_sha256": sp.sha256,
+        "vocab_size": sp.vocab_size, "splits": splits, "files": files,
+        "filters": filters,
+        "sources": {"train": [src.describe() for src in plan.train],
+                    **{split: plan.evals[split].describe() for split in evals}},
+        "eval_sets": dict(plan.eval_names),
+        "eval_text": {s: "normalised source (Moses punctuation, non-printing characters), as binarized",
+                      t: "original reference (entities unescaped), for detokenized BLEU"},
+        "subword": asdict(plan.subword),
+        "length_filter": asdict(plan.filters),
+        "dedup": "exact normalised pairs, 64-bit blake2b digests",
+        "prep_version": PREP_VERSION, "prep_key": request_key,
+        "command": plan.command, "tool_versions": _tool_versions(),
+    })
+    plan.log(f"[prep] manifest: {path}")
+    return path
+
+
+def _tool_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("sacremoses", "sentencepiece", "numpy", "tqdm", "datasets"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out

@@ -1,0 +1,190 @@
+"""Prepare WMT14 En-De / En-Fr (or any pair from local files) for training.
+
+    bash data_prep/prepare_wmt14.sh en-de data/wmt14_en_de                      # datasets hub
+    bash data_prep/prepare_wmt14.sh en-fr data/wmt14_en_fr --workers 16
+    bash data_prep/prepare_wmt14.sh en-de out --raw-dir ~/wmt14 \\
+        --train-prefix europarl-v7.de-en commoncrawl.de-en news-commentary-v9.de-en
+    python -m data_prep.prepare en-fr out --raw-dir ../shared/data/newscommentary-enfr-5k \\
+        --train-prefix nc-5k --valid-prefix test --test-prefix test --vocab-size 2000
+
+Reads the sources, runs the steps of :mod:`data_prep.pipeline` (each skipped when already done
+with the same inputs and options) and writes a data directory that
+``admin_ds.data.binarize.load_manifest`` / ``open_split`` read. Problems with the input or the
+output folder end the run with ``error: ...`` on stderr and exit status 1, without a traceback
+and without a manifest. The full description is data_prep/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python data_prep/prepare.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_prep import PrepError
+from data_prep.pipeline import FilterOptions, Plan, SubwordOptions, prepare
+from data_prep.sources import (DatasetPairs, FilePairs, TsvPairs, find_json_split, find_side,
+                               load_hub_split, load_json_split)
+
+DEFAULT_VOCAB = {frozenset(("en", "de")): 32_000, frozenset(("en", "fr")): 40_000}
+WMT14_LANGS = ("cs", "de", "fr", "hi", "ru")  # the `datasets` builder's configs: XX-en
+FILTERED_TEST_LINES = 2737
+EVAL_MAX_LINE_BYTES = 1 << 20  # dev/test lines are never dropped for length; this only bounds memory
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="prepare_wmt14.sh", description="WMT14 (or local parallel text) -> binarized data directory.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("pair", help="language pair SRC-TGT: en-de or en-fr (any pair with local files); "
+                                "the first language is the source")
+    p.add_argument("out_dir", type=Path, help="output data directory (created; re-runs resume in it)")
+    src = p.add_argument_group("sources (default: the datasets library's wmt14 builder)")
+    src.add_argument("--raw-dir", type=Path, help="local files: training, dev and test text")
+    src.add_argument("--train-prefix", nargs="+", metavar="NAME",
+                     help="training corpora in --raw-dir: NAME.SRC / NAME.TGT (plain, .gz or .sgm); "
+                          "default 'train' unless --tsv is given")
+    src.add_argument("--valid-prefix", default="newstest2013", metavar="NAME", help="dev set in --raw-dir")
+    src.add_argument("--test-prefix", metavar="NAME",
+                     help="test set in --raw-dir (default newstest2014, or newstest2014-filtered "
+                          "with --filtered-test)")
+    src.add_argument("--tsv", nargs="+", type=Path, metavar="FILE",
+                     help="training pairs as SRC<TAB>TGT lines (plain or gzip); needs --raw-dir for dev/test")
+    src.add_argument("--json-dir", type=Path,
+                     help="train/validation/test .jsonl files of {'translation': {SRC: ..., TGT: ...}} "
+                          "records, read with datasets' json loader")
+    src.add_argument("--hf-dataset", default="wmt14", help="datasets hub name of the WMT14 builder")
+    src.add_argument("--hf-cache-dir", help="datasets cache (default: HF_DATASETS_CACHE or ~/.cache)")
+    src.add_argument("--filtered-test", action="store_true",
+                     help=f"En-De only: use the filtered {FILTERED_TEST_LINES}-line newstest2014 "
+                          "(local files: --raw-dir with newstest2014-filtered.{en,de} or .sgm)")
+    sw = p.add_argument_group("subword model")
+    sw.add_argument("--vocab-size", type=int, help="joint vocabulary (default 32000 En-De, 40000 En-Fr)")
+    sw.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    sw.add_argument("--user-symbols", nargs="*", default=["<BT>"], metavar="SYM",
+                    help="reserved pieces (ids 4, 5, ...); '<BT>' tags back-translated sources")
+    sw.add_argument("--spm-sample-lines", type=int, default=10_000_000,
+                    help="lines sampled from both cleaned sides to train SentencePiece")
+    sw.add_argument("--spm-threads", type=int, default=8,
+                    help="SentencePiece trainer threads (the model depends on it: kept fixed by default)")
+    sw.add_argument("--character-coverage", type=float, default=1.0)
+    sw.add_argument("--seed", type=int, default=1)
+    fl = p.add_argument_group("training-pair filters")
+    fl.add_argument("--min-len", type=int, default=1, help="minimum subwords per side")
+    fl.add_argument("--max-len", type=int, default=250, help="maximum subwords per side")
+    fl.add_argument("--ratio", type=float, default=1.5, help="maximum length ratio between the sides")
+    fl.add_argument("--max-line-bytes", type=int, default=4096,
+                    help="training lines longer than this (in UTF-8 bytes) are dropped while reading")
+    run = p.add_argument_group("running")
+    run.add_argument("--workers", type=int, default=_cpus(), help="worker processes for cleaning and encoding")
+    run.add_argument("--chunk-lines", type=int, default=10_000, help="pairs per work unit")
+    run.add_argument("--remove-work", action="store_true",
+                     help="delete OUT/work (cleaned text, step records) at the end")
+    run.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def _cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def build_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
+    """Check the options and find every input; raises PrepError naming what is wrong."""
+    m = re.fullmatch(r"([a-z]{2,3})-([a-z]{2,3})", args.pair)
+    if not m or m.group(1) == m.group(2):
+        raise PrepError(f"language pair {args.pair!r}: expected SRC-TGT, e.g. en-de or en-fr")
+    s, t = m.groups()
+    vocab = args.vocab_size or DEFAULT_VOCAB.get(frozenset((s, t)))
+    if vocab is None:
+        raise PrepError(f"no default vocabulary size for {s}-{t}: give --vocab-size")
+    for name, value, low in (("--vocab-size", vocab, 8), ("--workers", args.workers, 1),
+                             ("--chunk-lines", args.chunk_lines, 1), ("--spm-sample-lines", args.spm_sample_lines, 1),
+                             ("--spm-threads", args.spm_threads, 1), ("--min-len", args.min_len, 0),
+                             ("--max-line-bytes", args.max_line_bytes, 16)):
+        if value < low:
+            raise PrepError(f"{name} must be at least {low}, got {value}")
+    if args.max_len < max(args.min_len, 1) or args.ratio < 1:
+        raise PrepError(f"need 1 <= --max-len (>= --min-len) and --ratio >= 1, got --max-len "
+                        f"{args.max_len}, --ratio {args.ratio}")
+    if args.json_dir and (args.raw_dir or args.tsv):
+        raise PrepError("--json-dir cannot be combined with --raw-dir or --tsv: choose one source")
+    if args.tsv and not args.raw_dir:
+        raise PrepError("--tsv gives the training pairs only: the dev and test files come from --raw-dir DIR")
+    if args.filtered_test:
+        if {s, t} != {"en", "de"}:
+            raise PrepError("--filtered-test exists for En-De only (the 2,737-line newstest2014)")
+        if not args.raw_dir:
+            raise PrepError("--filtered-test needs local files: the datasets builder and this folder's "
+                            "defaults have the full 3,003-line newstest2014 only. Give --raw-dir with "
+                            "newstest2014-filtered.en/.de (e.g. sacrebleu -t wmt14 -l en-de --echo src/ref), "
+                            "or the SGML newstest2014-deen-{src,ref}.*.sgm of WMT14's test/ folder "
+                            "with --test-prefix")
+
+    filters = FilterOptions(args.min_len, args.max_len, args.ratio, args.max_line_bytes)
+    test_prefix = args.test_prefix or ("newstest2014-filtered" if args.filtered_test else "newstest2014")
+    if args.raw_dir:
+        if not args.raw_dir.is_dir():
+            raise PrepError(f"{args.raw_dir}: --raw-dir is not a directory")
+        prefixes = args.train_prefix if args.train_prefix is not None else ([] if args.tsv else ["train"])
+        train = [FilePairs(find_side(args.raw_dir, pre, s, (s, t)), find_side(args.raw_dir, pre, t, (s, t)),
+                           args.max_line_bytes) for pre in prefixes]
+        train += [TsvPairs(path, args.max_line_bytes) for path in args.tsv or []]
+        evals = {split: FilePairs(find_side(args.raw_dir, pre, s, (s, t)), find_side(args.raw_dir, pre, t, (s, t)),
+                                  EVAL_MAX_LINE_BYTES)
+                 for split, pre in (("valid", args.valid_prefix), ("test", test_prefix))}
+        names = {"valid": args.valid_prefix, "test": test_prefix}
+    elif args.json_dir:
+        if not args.json_dir.is_dir():
+            raise PrepError(f"{args.json_dir}: --json-dir is not a directory")
+        load = {split: load_json_split(find_json_split(args.json_dir, split), split, s, t, args.hf_cache_dir)
+                for split in ("train", "validation", "test")}
+        train, evals = [load["train"]], {"valid": load["validation"], "test": load["test"]}
+        names = {"valid": "validation split of --json-dir", "test": "test split of --json-dir"}
+    else:
+        other = t if s == "en" else s
+        if "en" not in (s, t) or other not in WMT14_LANGS:
+            raise PrepError(f"the wmt14 builder has {', '.join(l + '-en' for l in WMT14_LANGS)} (either "
+                            f"direction); for {s}-{t} give local files with --raw-dir, --tsv or --json-dir")
+        config = f"{other}-en"
+        load = {split: load_hub_split(args.hf_dataset, config, split, s, t, args.hf_cache_dir)
+                for split in ("train", "validation", "test")}
+        train, evals = [load["train"]], {"valid": load["validation"], "test": load["test"]}
+        names = {"valid": "newstest2013 (wmt14 validation)", "test": "newstest2014 full, 3003 lines (wmt14 test)"}
+
+    argv0 = os.environ.get("DATA_PREP_ARGV0", "python -m data_prep.prepare")
+    return Plan(src=s, tgt=t, out=args.out_dir, train=train, evals=evals, eval_names=names,
+                subword=SubwordOptions(vocab, args.model_type, tuple(args.user_symbols), args.spm_sample_lines,
+                                       args.spm_threads, args.seed, args.character_coverage),
+                filters=filters, workers=args.workers, chunk_lines=args.chunk_lines, quiet=args.quiet,
+                remove_work=args.remove_work, command=" ".join([argv0, shlex.join(argv)]),
+                expect_test_lines=FILTERED_TEST_LINES if args.filtered_test else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    try:
+        prepare(build_plan(args, argv))
+    except PrepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # e.g. disk full, or the output folder removed while running
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted; run the same command again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Resumable steps and the ordered worker pool.
+
+Resuming (the fairseq2 ``step_N.tmp`` idea applied to data): every output is written under
+``NAME.tmp`` and renamed when complete, and a step that has renamed all its outputs records
+``work/STEP.done.json``::
+
+    {"step": "clean", "key": "<sha256 of the step's inputs and options>",
+     "outputs": {"work/train.clean.en": {"size": ..., "sha256": ...}, ...}, "stats": {...}}
+
+A re-run skips a step when its record exists, its key equals the key computed now, and every
+output still has the recorded size and checksum; otherwise the step runs again from scratch and
+overwrites its outputs (a killed step leaves only ``*.tmp`` files and no record). Keys chain on
+content: a step's key includes the checksums of the previous step's outputs, so identical
+intermediate files keep the later steps valid even when an earlier step was re-run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+from collections import deque
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from admin_ds import atomic
+from data_prep.sources import file_sha256
+
+STEP_FORMAT = 1
+
+
+def make_key(obj) -> str:
+    """sha256 of an object's canonical JSON (sorted keys): the identity of a step's inputs."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class AtomicOutput:
+    """Write a binary file under ``PATH.tmp`` and rename it to ``PATH`` only on success::
+
+        with AtomicOutput(path) as f:
+            f.write(...)
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".tmp")
+
+    def __enter__(self):
+        self.file = open(self.tmp, "wb", buffering=1 << 20)
+        return self.file
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            self.file.close()
+            if exc_type is None:
+                os.replace(self.tmp, self.path)
+        finally:
+            if exc_type is not None or self.tmp.exists():
+                self.tmp.unlink(missing_ok=True)
+
+
+class StepLog:
+    """The ``work/STEP.done.json`` records of one output directory."""
+
+    def __init__(self, out_dir: Path, work_dir: Path):
+        self.out_dir, self.work_dir = out_dir, work_dir
+
+    def _record_path(self, step: str) -> Path:
+        return self.work_dir / f"{step}.done.json"
+
+    def done(self, step: str, key: str) -> dict | None:
+        """The step's record if it is complete and valid for ``key``, else None."""
+        path = self._record_path(step)
+        try:
+            record = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if record.get("format") != STEP_FORMAT or record.get("key") != key:
+            return None
+        for name, meta in record.get("outputs", {}).items():
+            f = self.out_dir / name
+            if not f.is_file() or f.stat().st_size != meta["size"] or file_sha256(f) != meta["sha256"]:
+                return None
+        return record
+
+    def invalidate(self, step: str) -> None:
+        self._record_path(step).unlink(missing_ok=True)
+
+    def mark_done(self, step: str, key: str, outputs: Iterable[str], stats: dict) -> dict:
+        """Checksum ``outputs`` (paths relative to the output directory) and write the record,
+        atomically, last."""
+        record = {"format": STEP_FORMAT, "step": step, "key": key,
+                  "outputs": {name: {"size": (self.out_dir / name).stat().st_size,
+                                     "sha256": file_sha256(self.out_dir / name)}
+                              for name in outputs},
+                  "stats": stats}
+        atomic.write_text(self._record_path(step), json.dumps(record, indent=1) + "\n")
+        return record
+
+
+def ordered_map(func: Callable, chunks: Iterable, workers: int, initializer: Callable,
+                initargs: tuple = (), in_flight_per_worker: int = 2) -> Iterator:
+    """``func`` over ``chunks`` in ``workers`` processes, results in input order.
+
+    Unlike ``Pool.imap``, whose feeder thread reads the whole input ahead of slow workers, at
+    most ``workers * in_flight_per_worker`` chunks are read ahead: memory stays bounded by the
+    chunk size, whatever the corpus size. With one worker everything runs in this process.
+    Processes are started with "spawn" (no fork of a process that holds threads), so ``func``
+    and ``initializer`` must be importable module-level functions.
+    """
+    if workers <= 1:
+        initializer(*initargs)
+        for chunk in chunks:
+            yield func(chunk)
+        return
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers, initializer, initargs) as pool:  # terminated on exit or error
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(func, (chunk,)))
+            if len(pending) >= workers * in_flight_per_worker:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def chunked(items: Iterable, n: int) -> Iterator[list]:
+    buf: list = []
+    for item in items:
+        buf.append(item)
+        if len(buf) == n:
+            yield buf
+            buf = []
+    if buf:
+        yield buf

@@ -1,0 +1,129 @@
+"""The encoder-decoder as a 2-stage DeepSpeed pipeline, with real ranks (CPU, gloo)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import NO_DROPOUT, overrides
+from distributed import spawn
+
+PIPE = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}
+DP_REF = {"zero_optimization": {"stage": 0}, "gradient_accumulation_steps": 2}
+
+
+def rel(a, b):
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-12)))
+
+
+def test_two_stage_pipeline_reproduces_data_parallel(tmp_path, data_dir, fixed_profile):
+    """Loss trajectory and every parameter after 5 updates (the encoder layers on stage 0, the tied
+    embedding that sums the gradients of its three uses across both stages) equal one process.
+    Token buckets give every micro-batch its own shape: variable-length batches do not hang."""
+    common = [*NO_DROPOUT, f"--admin.profile={fixed_profile}"]
+    ref = spawn(1, "train_updates", tmp_path / "ref", run_overrides=overrides(tmp_path / "r", data_dir, *common),
+                ds=DP_REF, tmp=str(tmp_path), updates=5)[0]
+    pipe = spawn(2, "train_updates", tmp_path / "pipe", run_overrides=overrides(tmp_path / "p", data_dir, *common),
+                 ds=PIPE, tmp=str(tmp_path), updates=5)
+    assert pipe[0]["losses"] == pipe[1]["losses"]
+    assert rel(pipe[0]["losses"], ref["losses"]) <= 1e-4, (pipe[0]["losses"], ref["losses"])
+    names = sorted(ref["params"])
+    assert sorted(pipe[0]["params"]) == names  # every parameter came back from the stages
+    np.testing.assert_allclose([pipe[0]["params"][n] for n in names], [ref["params"][n] for n in names],
+                               rtol=1e-4, atol=1e-6)
+    moved = [n for n in names if n.startswith("encoder_layers.0.") or n == "src_embed.weight"]
+    assert moved and all(abs(pipe[0]["params"][n] - ref["params"][n]) <= 1e-4 * max(1, abs(ref["params"][n]))
+                         for n in moved)
+
+
+def test_pipeline_by_data_parallel_grid_profiles_like_one_process(tmp_path, data_dir):
+    """2 stages x 2 data-parallel ranks: omega identical on all four ranks and equal to one process
+    profiling the two micro-batches concatenated (dropout off, padding masked)."""
+    from admin_ds.model import build_model
+    from admin_ds.profiling import profile_omega
+    from admin_ds.run_config import load_run_config
+
+    ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, "--admin.mask_padding=true")
+    res = spawn(4, "profile_only", tmp_path / "out", run_overrides=ov, ds={**PIPE, "gradient_accumulation_steps": 1},
+                tmp=str(tmp_path))
+    assert all(r["profile"] == res[0]["profile"] for r in res)
+    # ranks 0, 1: stage 0 with data-parallel ids 0, 1 (data is the inner axis of the grid)
+    ws, wt = max(len(r["src"][0]) for r in res[:2]), max(len(r["tgt"][0]) for r in res[:2])
+    pad = lambda rows, w: [row + [1] * (w - len(row)) for row in rows]
+    src = torch.tensor(pad(res[0]["src"], ws) + pad(res[1]["src"], ws))
+    tgt = torch.tensor(pad(res[0]["tgt"], wt) + pad(res[1]["tgt"], wt))
+    run = load_run_config(None, ov)
+    torch.manual_seed(run.train.seed)
+    vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    single = profile_omega(build_model(run.model.build(vocab_size=vocab)), (src, tgt), mask_padding=True)
+    for stack in ("encoder", "decoder"):
+        assert rel(res[0]["profile"][stack], single.omega(stack)) <= 1e-6, stack
+    assert res[0]["tokens"] == single.tokens
+
+
+@pytest.mark.parametrize("formula", ["reference", "paper"])
+def test_pipeline_profile_crosses_stage_boundaries(tmp_path, data_dir, formula):
+    """The running omega crosses the stage boundary: a 2-stage profile equals the 1-stage one."""
+    ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, f"--admin.formula={formula}")
+    one = spawn(1, "profile_only", tmp_path / "one", run_overrides=ov, ds=DP_REF, tmp=str(tmp_path))[0]
+    two = spawn(2, "profile_only", tmp_path / "two", run_overrides=ov, ds=PIPE, tmp=str(tmp_path))
+    for stack in ("encoder", "decoder"):
+        assert rel(two[0]["profile"][stack], one["profile"][stack]) <= 1e-6
+    assert len(set(one["profile"]["decoder"])) > 3  # a real, non-uniform profile
+
+
+def test_pipeline_save_and_resume_continue_identically(tmp_path, data_dir):
+    """With dropout on: 4 updates straight vs. 2, save, resume in new processes, 2 more. The
+    shared embedding (saved through its first, forward_fn-less occurrence) is restored."""
+    ov = lambda d: overrides(d, data_dir)
+    straight = spawn(2, "train_updates", tmp_path / "a", run_overrides=ov(tmp_path / "a"), ds=PIPE,
+                     tmp=str(tmp_path), updates=4)[0]
+    spawn(2, "train_updates", tmp_path / "b1", run_overrides=ov(tmp_path / "b"), ds=PIPE, tmp=str(tmp_path),
+          updates=2, save=True)
+    resumed = spawn(2, "train_updates", tmp_path / "b2", run_overrides=ov(tmp_path / "b"), ds=PIPE,
+                    tmp=str(tmp_path), updates=2)[0]
+    assert resumed["resumed"] and resumed["update"] == 4
+    assert resumed["losses"] == pytest.approx(straight["losses"][2:], rel=1e-6)
+    assert resumed["params"]["src_embed.weight"] == pytest.approx(straight["params"]["src_embed.weight"], rel=1e-6)
+
+
+def test_pipeline_refusals():
+    from admin_ds.config import ConfigError
+    from admin_ds.engine import resolve_ds_config
+    from admin_ds.pipeline import layer_costs, partition
+    from admin_ds.presets import get_preset
+    from admin_ds.run_config import load_run_config
+
+    run = load_run_config(None, [])
+    with pytest.raises(ConfigError, match="zero_optimization.stage=2 with engine.pipeline_stages=2"):
+        resolve_ds_config({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}}, run, world=2)
+    run = load_run_config(None, [])
+    with pytest.raises(ConfigError, match="engine.pipeline_stages=3 does not divide the world size 4"):
+        resolve_ds_config({"pipeline": {"stages": 3}}, run, world=4)
+    run = load_run_config(None, ["--engine.pipeline_stages=4"])
+    with pytest.raises(ConfigError, match="pipeline.stages=2 but engine.pipeline_stages=4"):
+        resolve_ds_config({"pipeline": {"stages": 2}}, run, world=4)
+    cfg = get_preset("debug-tiny")
+    kinds = ["embed"] + ["encoder"] * 2 + ["embed_tgt"] + ["decoder"] * 2 + ["project"]
+    with pytest.raises(ConfigError, match="exceeds the 7 entries of the layer list"):
+        partition(layer_costs(cfg, kinds), 8)
+
+
+def test_cost_balanced_partition_of_60L_12L():
+    """The chosen boundaries for the paper's 60L-12L (vocabulary 32k) on 2 and 4 stages: stage
+    costs within one layer of each other, decoder layers and the projection weighed by cost."""
+    from admin_ds.pipeline import layer_costs, partition
+    from admin_ds.presets import get_preset
+
+    cfg = get_preset("admin-60L-12L", vocab_size=32768)
+    kinds = ["embed"] + ["encoder"] * 60 + ["embed_tgt"] + ["decoder"] * 12 + ["project"]
+    costs = layer_costs(cfg, kinds)
+    assert costs[kinds.index("decoder")] == pytest.approx(4 / 3)
+    assert costs[-1] == pytest.approx(32768 * 512 / (4 * 512 * 512 + 2 * 512 * 2048))
+    for stages in (2, 4):
+        parts = partition(costs, stages)
+        stage_costs = [sum(costs[a:b]) for a, b in zip(parts, parts[1:])]
+        assert max(stage_costs) - min(stage_costs) <= max(costs[1:-1]) + 1e-9 or max(stage_costs) == costs[-1]
+        assert parts[0] == 0 and parts[-1] == len(kinds)
