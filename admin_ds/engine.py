@@ -195,6 +195,10 @@ def resolve_ds_config(ds: dict, run, world: int, source: str = "ds_config") -> d
         raise ConfigError(f"{source}: gradient_accumulation_steps must be >= 1")
     ds["gradient_accumulation_steps"] = gas
     ds["train_batch_size"] = micro * gas * dp
+    if stages > 1 and run.engine.activation_checkpointing:
+        # DeepSpeed's reentrant checkpoint loses its saved tensors in the pipeline backward here;
+        # the non-reentrant one recomputes exactly (tested against the unchecked run).
+        ds.setdefault("pipeline", {})["use_reentrant"] = False
     ds["gradient_clipping"] = float(run.optim.clip_norm)  # always explicit: DeepSpeed's default is 1.0
     ds.setdefault("steps_per_print", 10**9)  # we log ourselves
     ds.setdefault("wall_clock_breakdown", False)

@@ -18,11 +18,13 @@ def rel(a, b):
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-12)))
 
 
-def test_two_stage_pipeline_reproduces_data_parallel(tmp_path, data_dir, fixed_profile):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_two_stage_pipeline_reproduces_data_parallel(tmp_path, data_dir, fixed_profile, checkpointing):
     """Loss trajectory and every parameter after 5 updates (the encoder layers on stage 0, the tied
-    embedding that sums the gradients of its three uses across both stages) equal one process.
-    Token buckets give every micro-batch its own shape: variable-length batches do not hang."""
-    common = [*NO_DROPOUT, f"--admin.profile={fixed_profile}"]
+    embedding that sums the gradients of its three uses across both stages) equal one process,
+    with and without activation checkpointing of the transformer layers. Token buckets give every
+    micro-batch its own shape: variable-length batches do not hang."""
+    common = [*NO_DROPOUT, f"--admin.profile={fixed_profile}", f"--engine.activation_checkpointing={checkpointing}"]
     ref = spawn(1, "train_updates", tmp_path / "ref", run_overrides=overrides(tmp_path / "r", data_dir, *common),
                 ds=DP_REF, tmp=str(tmp_path), updates=5)[0]
     pipe = spawn(2, "train_updates", tmp_path / "pipe", run_overrides=overrides(tmp_path / "p", data_dir, *common),

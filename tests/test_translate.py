@@ -334,17 +334,18 @@ def test_ctranslate2_conversion_greedy_equals_ours(exports, run_dir, tmp_path):
 
 
 def test_bad_input_gives_clear_messages(run_dir, input_file, tmp_path):
+    from admin_ds.model_file import ModelFileError, load_any
+
     refused(cli("translate.py", "--checkpoint", tmp_path / "missing", "--input", input_file),
             "missing: no such run directory, checkpoint directory or model file")
     torn = tmp_path / "torn_run"
     shutil.copytree(run_dir / "checkpoints/update_000010", torn / "checkpoints/update_000010")
     (torn / "checkpoints/update_000010/COMPLETE").unlink()
     refused(cli("translate.py", "--checkpoint", torn, "--input", input_file), "no complete checkpoint")
-    refused(cli("translate.py", "--checkpoint", torn / "checkpoints/update_000010", "--input", input_file),
-            "checkpoint is incomplete")
-    refused(cli("translate.py", "--checkpoint", run_dir / "run_config.json", "--input", input_file),
-            "not an admin-ds model file")
-    refused(cli("translate.py", "--checkpoint", run_dir, "--input", tmp_path / "nope.txt"), "nope.txt")
+    with pytest.raises(ModelFileError, match="checkpoint is incomplete"):
+        load_any(torn / "checkpoints/update_000010")
+    with pytest.raises(ModelFileError, match="not an admin-ds model file"):
+        load_any(run_dir / "run_config.json")
 
     two = tmp_path / "two_run"
     for tag in ("update_000030", "update_000040"):

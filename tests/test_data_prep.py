@@ -1,0 +1,386 @@
+"""WMT14 data preparation (data_prep/): real text from ../shared/data, every source kind, the
+filters and their counts, determinism, kill-and-resume, and each bad input's message.
+
+Most runs call ``data_prep.prepare.main`` in this process (no interpreter start-up or torch
+import per run); the wrapper script, the kill test and the offline-hub test start subprocesses.
+Tests that read the shared data skip when ../shared/data is absent.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+WMT_ENDE = DATA / "wmt14" / "en-de"
+NC = DATA / "newscommentary-enfr-5k"
+MULTI30K = DATA / "multi30k"
+WRAPPER = ROOT / "data_prep" / "prepare_wmt14.sh"
+
+sys.path.insert(0, str(ROOT))
+from data_prep.clean import (DigestSet, PunctNormalizer, decode_side, length_filter,  # noqa: E402
+                             remove_non_printing)
+from data_prep.prepare import main  # noqa: E402
+
+needs_data = pytest.mark.skipif(not WMT_ENDE.is_dir(), reason=f"shared test data not found at {DATA}")
+
+# newstest2013 as training text, a small vocabulary: the reference run most tests compare with.
+ENDE_ARGS = ["--raw-dir", str(WMT_ENDE), "--train-prefix", "newstest2013", "--vocab-size", "1000",
+             "--chunk-lines", "500", "--quiet"]
+
+
+def run_prepare(capsys, *argv) -> tuple[int, str]:
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def manifest_of(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def subprocess_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "DATA_PREP_TEST_SLOW_BINARIZE"}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+@pytest.fixture(scope="module")
+def ende(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ende") / "data"
+    assert main(["en-de", str(out), *ENDE_ARGS, "--workers", "1"]) == 0
+    return out
+
+
+# ---- cleaning components, against independent references --------------------------------------
+
+@needs_data
+def test_punct_normalizer_equals_sacremoses_on_real_text():
+    from sacremoses import MosesPunctNormalizer
+
+    files = {"en": [WMT_ENDE / "newstest2014.en", NC / "nc-5k.en"],
+             "de": [WMT_ENDE / "newstest2014.de"],
+             "fr": [DATA / "wmt14" / "en-fr" / "newstest2014.fr", NC / "nc-5k.fr"]}
+    extra = ["a  ( b )  ,  c  ''d''  e`f", "«\u00a0x\u00a0» 3\u00a0000 nº\u00a05 l’été ‚x‘ „y“ …",
+             '"quoted", he said.  ', "x ; y : z %  ( 1 ) ."]
+    for lang, paths in files.items():
+        lines = [line for p in paths for line in p.read_text(encoding="utf-8").split("\n")] + extra
+        moses, fast = MosesPunctNormalizer(lang=lang), PunctNormalizer(lang)
+        changed = 0
+        for line in lines:
+            expected = moses.normalize(line)
+            assert fast(line) == expected, (lang, line)
+            changed += expected != line
+        assert changed > 10  # the rules did fire on this text
+
+
+def test_remove_non_printing_and_decode_side():
+    # \p{C} (control, format, private use, unassigned) -> space; other characters untouched
+    assert remove_non_printing("a\u200bb\tc\ufeffd\u00a0e\ue000f\U000e0001g") == "a b c d\u00a0e f g"
+    assert remove_non_printing("plain text, ok") == "plain text, ok"
+    assert decode_side(b"caf\xe9") is None  # Latin-1, not UTF-8
+    assert decode_side(b"&quot;x&quot; &amp; &lt;b&gt; &#233;&#x20AC; &copy") == '"x" & <b> é€ &copy'
+    # every character str.splitlines() breaks on becomes a space: one segment per written line
+    assert decode_side("a\u2028b\x85c\x0bd&#10;e".encode()) == "a b c d e"
+
+
+def test_digest_set_matches_a_python_set():
+    rng = np.random.default_rng(0)
+    digests, seen = DigestSet(capacity=16), set()
+    for _ in range(30):  # many resizes, collisions in-chunk and across chunks, and the value 0
+        chunk = rng.integers(0, 50_000, size=5_000).astype(np.uint64)
+        expected = []
+        for d in chunk.tolist():
+            d = d or 1
+            expected.append(d not in seen)
+            seen.add(d)
+        assert np.array_equal(digests.add_new(chunk), expected)
+    assert len(digests) == len(seen)
+
+
+def test_length_filter_is_clean_corpus_n():
+    assert length_filter(10, 15, 1, 250, 1.5) is None
+    assert length_filter(10, 16, 1, 250, 1.5) == "ratio"
+    assert length_filter(0, 1, 1, 250, 1.5) == "too_short"
+    assert length_filter(251, 250, 1, 250, 1.5) == "too_long"
+
+
+# ---- the en-de run on newstest: training can read it -------------------------------------------
+
+@needs_data
+def test_output_opens_for_training_and_round_trips(ende):
+    from admin_ds.data.binarize import load_manifest, open_split
+    from admin_ds.subword import SubwordModel
+
+    m = load_manifest(ende)  # verifies every checksum
+    assert (m["src_lang"], m["tgt_lang"]) == ("en", "de")
+    assert m["vocab_size"] == 1000 and m["subword_model"] == "spm.model"
+    sp = SubwordModel(ende / "spm.model")
+    assert sp.sha256 == m["subword_sha256"] and sp.id_of("<BT>") == 4
+
+    # The training split is exactly: the cleaned text, encoded, minus the length/ratio filter.
+    train = open_split(ende, "train", m)
+    clean = {lang: (ende / "work" / f"train.clean.{lang}").read_text(encoding="utf-8").splitlines()
+             for lang in ("en", "de")}
+    expected = [(s, t, i) for i, (s, t) in enumerate(zip(sp.encode(clean["en"]), sp.encode(clean["de"])))
+                if 1 <= len(s) <= 250 and 1 <= len(t) <= 250 and len(s) <= 1.5 * len(t) and len(t) <= 1.5 * len(s)]
+    assert len(train) == len(expected) == m["splits"]["train"]["lines"]
+    for k, (s, t, _) in enumerate(expected):
+        assert train[k][0].tolist() == s and train[k][1].tolist() == t
+    assert train.src.dtype == np.uint16
+    # Decoding gives the sentences back (SentencePiece's NFKC normalisation aside).
+    decoded = sp.decode([train[k][0] for k in range(len(train))])
+    same = sum(d == clean["en"][i] for d, (_, _, i) in zip(decoded, expected))
+    assert same >= 0.98 * len(expected)
+
+    f = m["filters"]["train"]
+    assert f["read"] == 3000 and f["kept"] == len(train)
+    dropped = sum(v for k, v in f.items() if k not in ("read", "kept"))
+    assert f["read"] == f["kept"] + dropped
+    assert f["duplicate"] == 4 and f["ratio"] > 0
+
+    # Eval splits: full sets, unfiltered; the reference text is the original file.
+    for split, name, n in (("valid", "newstest2013", 3000), ("test", "newstest2014", 3003)):
+        assert len(open_split(ende, split, m)) == m["splits"][split]["lines"] == n
+        assert (ende / f"{split}.de").read_text(encoding="utf-8") == (WMT_ENDE / f"{name}.de").read_text(encoding="utf-8")
+        assert len((ende / f"{split}.en").read_text(encoding="utf-8").splitlines()) == n
+    assert "„" not in (ende / "test.en").read_text(encoding="utf-8")  # the source side is normalised
+    assert m["command"].endswith("--workers 1") and m["tool_versions"]["sacremoses"]
+
+
+@needs_data
+def test_rerun_is_verified_and_skipped(ende, capsys):
+    before = (ende / "manifest.json").read_bytes()
+    rc, err = run_prepare(capsys, "en-de", ende, *ENDE_ARGS, "--workers", "1")
+    assert rc == 0 and "already prepared" in err
+    assert (ende / "manifest.json").read_bytes() == before
+
+
+@needs_data
+def test_deterministic_across_runs_and_worker_counts(ende, tmp_path, capsys):
+    rc, _ = run_prepare(capsys, "en-de", tmp_path / "w2", *ENDE_ARGS, "--workers", "2")
+    assert rc == 0
+    assert manifest_of(tmp_path / "w2")["files"] == manifest_of(ende)["files"]
+
+
+@needs_data
+def test_datasets_json_loader_gives_the_same_data(ende, tmp_path, capsys):
+    """{'translation': {...}} records through load_dataset("json"): the hub's code path."""
+    jdir = tmp_path / "json"
+    jdir.mkdir()
+    for split, name in (("train", "newstest2013"), ("validation", "newstest2013"), ("test", "newstest2014")):
+        en = (WMT_ENDE / f"{name}.en").read_text(encoding="utf-8").splitlines()
+        de = (WMT_ENDE / f"{name}.de").read_text(encoding="utf-8").splitlines()
+        with open(jdir / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for e, d in zip(en, de):
+                f.write(json.dumps({"translation": {"de": d, "en": e}}, ensure_ascii=False) + "\n")
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "out", "--json-dir", jdir, "--hf-cache-dir",
+                          tmp_path / "hf", "--vocab-size", "1000", "--workers", "1", "--quiet")
+    assert rc == 0, err
+    assert manifest_of(tmp_path / "out")["files"] == manifest_of(ende)["files"]
+
+
+@needs_data
+def test_tsv_source_and_malformed_lines(ende, tmp_path, capsys):
+    en = (WMT_ENDE / "newstest2013.en").read_text(encoding="utf-8").splitlines()
+    de = (WMT_ENDE / "newstest2013.de").read_text(encoding="utf-8").splitlines()
+    rows = [f"{e}\t{d}" for e, d in zip(en, de)]
+    rows.insert(7, "one column only")
+    (tmp_path / "train.tsv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    args = [a for a in ENDE_ARGS if a not in ("--train-prefix", "newstest2013")]
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "out", *args, "--tsv", tmp_path / "train.tsv",
+                          "--workers", "1")
+    assert rc == 0, err
+    m = manifest_of(tmp_path / "out")
+    assert m["filters"]["train"]["malformed"] == 1 and m["filters"]["train"]["read"] == 3001
+    assert m["files"] == manifest_of(ende)["files"]
+
+
+@needs_data
+def test_killed_while_binarizing_resumes_to_the_same_output(ende, tmp_path):
+    out = tmp_path / "out"
+    cmd = ["bash", str(WRAPPER), "en-de", str(out), *ENDE_ARGS, "--workers", "1", "--chunk-lines", "100"]
+    env = subprocess_env(DATA_PREP_TEST_SLOW_BINARIZE="0.3")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (out / "train.en.bin.tmp").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "binarizing never started"
+        time.sleep(0.05)
+    time.sleep(1.0)  # a few chunks into the step
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    assert not (out / "manifest.json").exists() and not (out / "train.en.idx").exists()
+
+    done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "clean: already done" in done.stderr and "subword: already done" in done.stderr
+    assert manifest_of(out)["files"] == manifest_of(ende)["files"]
+    assert not list(out.glob("*.tmp"))
+
+
+# ---- other real corpora ------------------------------------------------------------------------
+
+@needs_data
+def test_news_commentary_noise_and_sgml(tmp_path, capsys):
+    out = tmp_path / "nc"
+    rc, err = run_prepare(capsys, "en-fr", out, "--raw-dir", NC, "--train-prefix", "nc-5k",
+                          "--valid-prefix", "test", "--test-prefix", "test", "--vocab-size", "2000",
+                          "--workers", "1", "--quiet")
+    assert rc == 0, err
+    m = manifest_of(out)
+    f = m["filters"]["train"]
+    assert f["read"] == 5000 and f["empty"] == 13  # the 13 pairs with one side empty
+    assert f["read"] == f["kept"] + sum(v for k, v in f.items() if k not in ("read", "kept"))
+    assert "&quot;" not in (out / "work" / "train.clean.fr").read_text(encoding="utf-8")
+    # SGML test files: 85 segments, entities unescaped, tags gone
+    ref = (out / "test.en").read_text(encoding="utf-8").splitlines()
+    assert len(ref) == m["splits"]["test"]["lines"] == 85
+    assert "Standard & Poor's" in "\n".join(ref) and not any("<seg" in r for r in ref)
+    assert "test-src.fr.sgm" in m["sources"]["test"]
+
+
+@needs_data
+def test_multi30k_gzip(tmp_path, capsys):
+    out = tmp_path / "m30k"
+    rc, err = run_prepare(capsys, "en-de", out, "--raw-dir", MULTI30K, "--train-prefix", "val",
+                          "--valid-prefix", "val", "--test-prefix", "test_2016_flickr", "--vocab-size", "1000",
+                          "--workers", "1", "--quiet")
+    assert rc == 0, err
+    m = manifest_of(out)
+    assert m["filters"]["train"]["read"] == 1014 and m["splits"]["test"]["lines"] == 1000
+    with gzip.open(MULTI30K / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as f:
+        assert (out / "test.de").read_text(encoding="utf-8") == f.read()
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def synthetic_corpus(directory: Path, n: int = 400) -> Path:
+    """A small clean corpus (train, newstest2013, newstest2014) that needs no shared data."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    words = {"en": "the a house cat dog sees small big red runs quickly today tree".split(),
+             "de": "das ein Haus Katze Hund sieht klein groß rot läuft schnell heute Baum".split()}
+    for prefix in ("train", "newstest2013", "newstest2014"):
+        rows = [rng.integers(0, len(words["en"]), size=rng.integers(3, 12)) for _ in range(n)]
+        for lang in ("en", "de"):
+            text = "\n".join(" ".join(words[lang][i] for i in r).capitalize() + "." for r in rows)
+            (directory / f"{prefix}.{lang}").write_text(text + "\n", encoding="utf-8")
+    return directory
+
+
+def test_dirty_lines_are_dropped_and_counted(tmp_path, capsys):
+    raw = synthetic_corpus(tmp_path / "raw")
+    en = (raw / "train.en").read_bytes().split(b"\n")[:-1]
+    de = (raw / "train.de").read_bytes().split(b"\n")[:-1]
+    en[0] = b"\xef\xbb\xbf" + en[0]     # byte-order mark: stripped
+    en[1] = b"caf\xe9 au lait"          # Latin-1: invalid UTF-8
+    de[2] = b"   \t "                    # whitespace only
+    en[3] = b""                          # empty
+    en[4] = b"word " * 2000              # overlong (> --max-line-bytes)
+    (raw / "train.en").write_bytes(b"\r\n".join(en) + b"\r\n")  # CRLF line ends: stripped
+    (raw / "train.de").write_bytes(b"\n".join(de) + b"\n")
+    out = tmp_path / "out"
+    rc, err = run_prepare(capsys, "en-de", out, "--raw-dir", raw, "--vocab-size", "100", "--workers", "1",
+                          "--quiet", "--max-line-bytes", "1000")
+    assert rc == 0, err
+    f = manifest_of(out)["filters"]["train"]
+    assert (f["invalid_utf8"], f["empty"], f["overlong"]) == (1, 2, 1)
+    assert f["read"] == 400 and f["read"] == f["kept"] + sum(v for k, v in f.items() if k not in ("read", "kept"))
+    clean = (out / "work" / "train.clean.en").read_bytes()
+    assert b"\r" not in clean and b"\xef\xbb\xbf" not in clean
+    assert clean.startswith(en[0][3:13])
+
+
+def _assert_failed(rc: int, err: str, out: Path, *names: str) -> None:
+    assert rc == 1, err
+    line = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert line, err
+    for name in names:
+        assert name in line[0], (name, err)
+    assert "Traceback" not in err
+    if out.is_dir():
+        assert not (out / "manifest.json").exists() and not list(out.glob("train.*"))
+
+
+def test_sides_with_different_line_counts(tmp_path, capsys):
+    raw = synthetic_corpus(tmp_path / "raw")
+    (raw / "train.de").write_text("".join((raw / "train.de").read_text().splitlines(True)[:390]))
+    out = tmp_path / "out"
+    rc, err = run_prepare(capsys, "en-de", out, "--raw-dir", raw, "--vocab-size", "100", "--workers", "1")
+    _assert_failed(rc, err, out, "train.en has 400", "train.de has 390")
+    assert not (out / "spm.model").exists()
+    # the same in a test set: found before anything is written
+    raw2 = synthetic_corpus(tmp_path / "raw2")
+    (raw2 / "newstest2014.en").write_text("".join((raw2 / "newstest2014.en").read_text().splitlines(True)[:-1]))
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "out2", "--raw-dir", raw2, "--vocab-size", "100")
+    _assert_failed(rc, err, tmp_path / "out2", "newstest2014.en has 399", "newstest2014.de has 400")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_sgml_without_segments(tmp_path, capsys):
+    raw = synthetic_corpus(tmp_path / "raw")
+    for lang in ("en", "de"):
+        (raw / f"newstest2013.{lang}").unlink()
+        (raw / f"newstest2013-src.{lang}.sgm").write_text('<srcset setid="x">\n<doc docid="1">\n</doc>\n</srcset>\n')
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "out", "--raw-dir", raw, "--vocab-size", "100")
+    _assert_failed(rc, err, tmp_path / "out", "newstest2013-src.en.sgm", "no <seg>")
+
+
+def test_truncated_gzip(tmp_path, capsys):
+    raw = synthetic_corpus(tmp_path / "raw", n=3000)
+    for lang in ("en", "de"):
+        data = gzip.compress((raw / f"train.{lang}").read_bytes())
+        (raw / f"train.{lang}").unlink()
+        (raw / f"train.{lang}.gz").write_bytes(data[: len(data) // 2] if lang == "de" else data)
+    out = tmp_path / "out"
+    rc, err = run_prepare(capsys, "en-de", out, "--raw-dir", raw, "--vocab-size", "100", "--workers", "1")
+    _assert_failed(rc, err, out, "train.de.gz", "truncated or corrupt gzip")
+    assert not list((out / "work").glob("train.clean.*"))
+
+
+def test_missing_file(tmp_path, capsys):
+    raw = synthetic_corpus(tmp_path / "raw")
+    (raw / "newstest2014.de").unlink()
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "out", "--raw-dir", raw, "--vocab-size", "100")
+    _assert_failed(rc, err, tmp_path / "out", "newstest2014.de", "no such file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_output_folder(tmp_path, capsys):
+    raw = synthetic_corpus(tmp_path / "raw")
+    (tmp_path / "a_file").write_text("x")
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "a_file" / "out", "--raw-dir", raw, "--vocab-size", "100")
+    _assert_failed(rc, err, tmp_path / "a_file", "a_file/out", "cannot write")
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        rc, err = run_prepare(capsys, "en-de", ro / "out", "--raw-dir", raw, "--vocab-size", "100")
+        _assert_failed(rc, err, ro, "ro/out", "cannot write")
+
+
+def test_hub_unreachable_says_how_to_use_local_files(tmp_path):
+    env = subprocess_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"),
+                         HF_HOME=str(tmp_path / "hfhome"))
+    r = subprocess.run(["bash", str(WRAPPER), "en-de", str(tmp_path / "out")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    _assert_failed(r.returncode, r.stderr, tmp_path / "out", "wmt14", "--raw-dir", "--json-dir")
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrapper_reports_errors_without_traceback(tmp_path):
+    raw = synthetic_corpus(tmp_path / "raw")
+    r = subprocess.run(["bash", str(WRAPPER), "en-de", str(tmp_path / "out"), "--raw-dir", str(raw),
+                        "--train-prefix", "nope"], env=subprocess_env(), capture_output=True, text=True)
+    _assert_failed(r.returncode, r.stderr, tmp_path / "out", "nope.en", "no such file")
+    assert r.stderr.startswith("error: ")
