@@ -58,14 +58,76 @@ def _skip_cpu_shm_build() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
-def init_distributed(port: int = 29500, timeout_s: int = 600) -> None:
-    """Join the process group (env:// from the launcher, or mpi4py discovery under mpirun).
-    A rank that cannot reach the master fails after ``timeout_s`` instead of hanging forever."""
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compact host list ("gpu[01-03,07],cpu5") as host names, in order, as
+    ``scontrol show hostnames`` prints them (used when scontrol is not on the compute node)."""
+    hosts, i, n = [], 0, len(nodelist)
+    while i < n:
+        j = i
+        while j < n and nodelist[j] not in ",[":
+            j += 1
+        prefix = nodelist[i:j]
+        if j < n and nodelist[j] == "[":
+            k = nodelist.index("]", j)
+            for part in nodelist[j + 1:k].split(","):
+                lo, _, hi = part.partition("-")
+                width = len(lo)
+                for v in range(int(lo), int(hi or lo) + 1):
+                    hosts.append(f"{prefix}{v:0{width}d}")
+            j = k + 1
+        elif prefix:
+            hosts.append(prefix)
+        i = j + 1 if j < n and nodelist[j] == "," else j
+    return hosts
+
+
+def _env_from_slurm(port: int) -> None:
+    """Slurm without PMI: map SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and the first host of
+    SLURM_JOB_NODELIST to RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR (DeepSpeed reads none of
+    the SLURM_* variables itself)."""
+    env = os.environ
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise RuntimeError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not: cannot find the master host")
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+               WORLD_SIZE=env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
+    env.setdefault("MASTER_ADDR", expand_nodelist(nodelist)[0])
+    env.setdefault("MASTER_PORT", str(port))
+
+
+def _wait_for_master(timeout_s: float) -> None:
+    """Non-zero ranks: fail with the address and port after ``timeout_s`` if the master's rendezvous
+    port never accepts a connection, instead of hanging in init_process_group."""
+    import socket
+    import time
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=2):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.5)
+    raise ConnectionError(f"rank {os.environ.get('RANK')}: cannot reach the master at {addr}:{port} within "
+                       f"{timeout_s:.0f}s ({last}); check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and "
+                       "that the port is open between the nodes (engine.connect_timeout_s)")
+
+
+def init_distributed(port: int = 29500, timeout_s: int = 600, connect_timeout_s: float = 120) -> None:
+    """Join the process group: env:// from a launcher (deepspeed, torchrun), our mapping of Slurm's
+    variables, or mpi4py discovery under mpirun. A rank that cannot reach the master fails after
+    ``connect_timeout_s`` with the address and port, instead of hanging."""
     if dist.is_initialized():
         return
     if on_cpu():
         _skip_cpu_shm_build()
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        _env_from_slurm(port)
     launched = "RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+    if "RANK" in os.environ and int(os.environ["RANK"]) > 0 and "MASTER_ADDR" in os.environ:
+        _wait_for_master(connect_timeout_s)
     if not launched:
         # A plain `python launch/train.py`: a world of one on a free local port. (DeepSpeed would
         # otherwise run MPI discovery, which pins the port to distributed_port, so two standalone
@@ -96,6 +158,21 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def world_layout() -> dict:
+    """Nodes and ranks per node, from every rank's host name (collective)."""
+    import socket
+
+    host = socket.gethostname()
+    hosts = [host]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, host)
+    per_node: dict[str, int] = {}
+    for h in hosts:
+        per_node[h] = per_node.get(h, 0) + 1
+    return {"world_size": len(hosts), "nodes": len(per_node), "ranks_per_node": per_node}
 
 
 def barrier() -> None:

@@ -97,8 +97,11 @@ class TrainSection:
 @dataclass
 class EngineSection:
     pipeline_stages: int = 1
-    distributed_port: int = 29500
-    dist_timeout_s: int = 600
+    distributed_port: int = 29500  # rendezvous port for mpirun (mpi4py discovery) and Slurm mappings
+    dist_timeout_s: int = 600  # collective operations
+    connect_timeout_s: int = 120  # a rank that cannot reach the master gives up after this
+    expect_world_size: Optional[int] = None  # refuse to start on any other number of ranks
+    expect_nodes: Optional[int] = None  # refuse to start on any other number of nodes
     activation_checkpointing: bool = False
 
 

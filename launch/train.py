@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         from admin_ds.trainer import train
 
         train(run, args.deepspeed_config)
-    except ConfigError as e:
+    except (ConfigError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
