@@ -24,6 +24,7 @@ import hashlib
 import re
 import unicodedata
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 from sacremoses import MosesPunctNormalizer
@@ -335,6 +336,6 @@ def encode_chunk(pairs: list[tuple[bytes, bytes]]) -> EncodedChunk:
 
 
 def _flatten(seqs: list[list[int]], dtype) -> tuple[np.ndarray, np.ndarray]:
-    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter((i for s in seqs for i in s), dtype=dtype, count=int(lens.sum()))
+    lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(chain.from_iterable(seqs), dtype=dtype, count=int(lens.sum()))
     return flat, lens

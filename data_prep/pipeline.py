@@ -41,6 +41,8 @@ MANIFEST = "manifest.json"  # == admin_ds.data.binarize.MANIFEST (not imported: 
 # Test hook: seconds to sleep per chunk while binarizing the training split, so that a test can
 # kill the process in the middle of that step.
 SLOW_ENV = "DATA_PREP_TEST_SLOW_BINARIZE"
+# The training-pair filters, in the order they apply (clean step: 5, binarize step: 3).
+TRAIN_DROPS = ("overlong", "malformed", "invalid_utf8", "empty", "duplicate", "too_short", "too_long", "ratio")
 
 
 @dataclass(frozen=True)
@@ -252,8 +254,9 @@ def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
         if kept == 0:  # raised inside the with: the empty outputs are discarded
             raise PrepError(f"no training pairs left after cleaning {', '.join(s.describe() for s in plan.train)} "
                             f"({_counts(stats)})")
-    dt = time.perf_counter() - t0
-    plan.log(f"[prep] clean: {stats['read']} pairs read, {kept} kept ({_counts({k: v for k, v in stats.items() if k not in ('read', 'kept')}) or 'none dropped'}); "
+    dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
+    drops = _counts({k: v for k, v in stats.items() if k in TRAIN_DROPS}) or "none dropped"
+    plan.log(f"[prep] clean: {stats['read']} pairs read, {kept} kept ({drops}); "
              f"{dt:.1f}s, {stats['read'] / max(dt, 1e-9):.0f} pairs/s; duplicate filter {seen.nbytes / 2**20:.0f} MiB")
     return steps.mark_done("clean", key, [src_name, tgt_name], stats)
 
@@ -281,8 +284,9 @@ def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
         raise PrepError(f"--vocab-size: {e}") from None
     finally:
         os.chdir(cwd)
-    plan.log(f"[prep] subword: {time.perf_counter() - t0:.1f}s")
-    return steps.mark_done("subword", key, ["spm.model", "spm.vocab"], {"seconds": time.perf_counter() - t0})
+    dt = round(time.perf_counter() - t0, 3)
+    plan.log(f"[prep] subword: {dt:.1f}s")
+    return steps.mark_done("subword", key, ["spm.model", "spm.vocab"], {"seconds": dt})
 
 
 # ---- step: binarize the training split --------------------------------------------------------
@@ -326,7 +330,7 @@ def run_binarize_train(plan: Plan, steps: StepLog, key: str, total: int) -> dict
         if stats["kept"] == 0:
             raise PrepError(f"no training pairs left after the length filters "
                             f"({f.min_len}..{f.max_len} subwords, ratio {f.ratio}): {_counts(stats)}")
-    dt = time.perf_counter() - t0
+    dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
     plan.log(f"[prep] train: {stats['kept']} pairs binarized (dropped: too_short {stats['too_short']}, "
              f"too_long {stats['too_long']}, ratio {stats['ratio']}); {dt:.1f}s, {total / max(dt, 1e-9):.0f} pairs/s "
              f"with {plan.workers} worker(s)")
@@ -381,14 +385,15 @@ def write_data_manifest(plan: Plan, request_key: str, clean: dict, subword: dict
     ts = train["stats"]
     splits = {"train": {"lines": ts["kept"], "src_tokens": ts["src_tokens"], "tgt_tokens": ts["tgt_tokens"],
                         "src_unk": ts["src_unk"], "tgt_unk": ts["tgt_unk"]}}
-    filters = {"train": {**clean["stats"], **{k: ts[k] for k in ("too_short", "too_long", "ratio")},
-                         "kept": ts["kept"]}}
+    cs = clean["stats"]
+    # Every pair read is either kept or counted under exactly one filter, in the order they apply.
+    filters = {"train": {"read": cs["read"], **{k: cs[k] for k in TRAIN_DROPS[:5]},
+                         **{k: ts[k] for k in TRAIN_DROPS[5:]}, "kept": ts["kept"]}}
     for split, record in evals.items():
         st = record["stats"]
         splits[split] = {"lines": st["kept"], "src_tokens": st["src_tokens"], "tgt_tokens": st["tgt_tokens"],
                          "src_unk": st["src_unk"], "tgt_unk": st["tgt_unk"]}
         filters[split] = {k: v for k, v in st.items() if not k.endswith(("_tokens", "_unk"))}
-    filters["train"]["kept"] = ts["kept"]
     files = ["spm.model", "spm.vocab"]
     for split in ("train", "valid", "test"):
         files += [f"{split}.{lang}.{ext}" for lang in (s, t) for ext in ("bin", "idx")]
@@ -398,6 +403,8 @@ def write_data_manifest(plan: Plan, request_key: str, clean: dict, subword: dict
         "src_lang": s, "tgt_lang": t, "subword_model": "spm.model", "subword_sha256": sp.sha256,
         "vocab_size": sp.vocab_size, "splits": splits, "files": files,
         "filters": filters,
+        "seconds": {"clean": cs.get("seconds"), "subword": subword["stats"].get("seconds"),
+                    "train": ts.get("seconds")},
         "sources": {"train": [src.describe() for src in plan.train],
                     **{split: plan.evals[split].describe() for split in evals}},
         "eval_sets": dict(plan.eval_names),

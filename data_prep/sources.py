@@ -72,14 +72,15 @@ def read_lines(path: Path, max_bytes: int) -> Iterator[bytes | None]:
                 line = f.readline(max_bytes + 2)  # + room for \r\n
                 if not line:
                     return
-                if first:
-                    line = line.removeprefix(_BOM)
-                    first = False
                 if not line.endswith(b"\n") and len(line) >= max_bytes + 2:
                     while (rest := f.readline(1 << 16)) and not rest.endswith(b"\n"):
                         pass
+                    first = False
                     yield None
                     continue
+                if first:
+                    line = line.removeprefix(_BOM)
+                    first = False
                 line = line.removesuffix(b"\n").removesuffix(b"\r")
                 yield None if len(line) > max_bytes else line
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:

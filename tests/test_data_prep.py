@@ -106,6 +106,16 @@ def test_digest_set_matches_a_python_set():
     assert len(digests) == len(seen)
 
 
+def test_read_lines_edge_cases(tmp_path):
+    from data_prep.sources import read_lines
+
+    body = b"\xef\xbb\xbfbom\r\n" + b"x" * 10 + b"\n" + b"y" * 11 + b"\r\n" + b"z" * 12 + b"\n\nlast"
+    (tmp_path / "a.txt").write_bytes(body)
+    (tmp_path / "a.gz").write_bytes(gzip.compress(body))  # any name: gzip is found by its magic bytes
+    for name in ("a.txt", "a.gz"):
+        assert list(read_lines(tmp_path / name, 11)) == [b"bom", b"x" * 10, b"y" * 11, None, b"", b"last"]
+
+
 def test_length_filter_is_clean_corpus_n():
     assert length_filter(10, 15, 1, 250, 1.5) is None
     assert length_filter(10, 16, 1, 250, 1.5) == "ratio"
@@ -376,6 +386,28 @@ def test_hub_unreachable_says_how_to_use_local_files(tmp_path):
                        capture_output=True, text=True, timeout=300)
     _assert_failed(r.returncode, r.stderr, tmp_path / "out", "wmt14", "--raw-dir", "--json-dir")
     assert not (tmp_path / "out").exists()
+
+
+def test_filtered_test_set_must_have_2737_lines(tmp_path, capsys):
+    raw = synthetic_corpus(tmp_path / "raw")
+    for lang in ("en", "de"):
+        (raw / f"newstest2014.{lang}").rename(raw / f"newstest2014-filtered.{lang}")
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "out", "--raw-dir", raw, "--filtered-test")
+    _assert_failed(rc, err, tmp_path / "out", "newstest2014-filtered.en", "400 test segments", "2737")
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "out", "--filtered-test")  # the hub has the full set only
+    _assert_failed(rc, err, tmp_path / "out", "--filtered-test needs local files")
+
+
+def test_second_preparation_in_the_same_folder_is_refused(tmp_path, capsys):
+    import fcntl
+
+    raw = synthetic_corpus(tmp_path / "raw")
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".prepare.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running preparation holds it
+        rc, err = run_prepare(capsys, "en-de", out, "--raw-dir", raw, "--vocab-size", "100")
+    _assert_failed(rc, err, out, "another preparation is running")
 
 
 def test_wrapper_reports_errors_without_traceback(tmp_path):

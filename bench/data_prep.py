@@ -1,0 +1,175 @@
+"""Data preparation: throughput against a plain SentencePiece loop, and peak memory against corpus size.
+
+    python bench/data_prep.py                          # workers 1 and nproc, corpus x1 and x8
+    python bench/data_prep.py --workers 1 2 4 --scale 8 --write bench/data_prep_results.md
+
+The corpus (x1, ~45k En-De pairs) is real text from ../shared/data: newstest2013+2014, Multi30k
+train and the OpenNMT WMT sample; x8 repeats it with a copy number appended to both sides (so that
+the duplicate filter keeps every copy). Every configuration runs the whole CLI
+(data_prep/prepare_wmt14.sh) in a fresh output folder, under a small launcher process whose
+``getrusage(RUSAGE_CHILDREN).ru_maxrss`` is the peak resident memory of the largest process of the
+run (the main process: the workers hold one chunk each).
+
+Throughput is lines/s (both sides) of the streaming steps, clean + encode + binarize, from the step
+records' timings; the baseline is one process encoding the same raw lines with
+``SentencePieceProcessor.encode`` one line at a time, nothing else. SentencePiece training is
+excluded from both (its sample is capped by --spm-sample-lines, set equal for x1 and x8 so that it
+costs the same memory in both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+WRAPPER = ROOT / "data_prep" / "prepare_wmt14.sh"
+
+LAUNCHER = ("import json, resource, subprocess, sys, time\n"
+            "t = time.perf_counter()\n"
+            "rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print(json.dumps({'rc': rc, 'wall_s': time.perf_counter() - t,\n"
+            "                  'maxrss_mib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))\n")
+
+
+def base_pairs() -> list[tuple[str, str]]:
+    def lines(path: Path) -> list[str]:
+        if path.suffix == ".gz":
+            import gzip
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                return f.read().splitlines()
+        return path.read_text(encoding="utf-8").splitlines()
+
+    pairs = []
+    for en, de in ((DATA / "wmt14/en-de/newstest2013.en", DATA / "wmt14/en-de/newstest2013.de"),
+                   (DATA / "wmt14/en-de/newstest2014.en", DATA / "wmt14/en-de/newstest2014.de"),
+                   (DATA / "multi30k/train.en.gz", DATA / "multi30k/train.de.gz"),
+                   (DATA / "wmt-ende-10k-tok/src-train.txt", DATA / "wmt-ende-10k-tok/tgt-train.txt")):
+        pairs += zip(lines(en), lines(de))
+    return pairs
+
+
+def write_corpus(raw: Path, pairs: list[tuple[str, str]], copies: int) -> int:
+    raw.mkdir(parents=True, exist_ok=True)
+    with open(raw / "train.en", "w", encoding="utf-8") as fe, open(raw / "train.de", "w", encoding="utf-8") as fd:
+        for k in range(copies):
+            tag = f" ({k})" if k else ""
+            for en, de in pairs:
+                fe.write(en + tag + "\n")
+                fd.write(de + tag + "\n")
+    for name in ("newstest2013", "newstest2014"):
+        for lang in ("en", "de"):
+            (raw / f"{name}.{lang}").write_bytes((DATA / "wmt14/en-de" / f"{name}.{lang}").read_bytes())
+    return copies * len(pairs)
+
+
+def run_prepare(raw: Path, out: Path, workers: int, vocab: int, sample_lines: int) -> dict:
+    cmd = ["bash", str(WRAPPER), "en-de", str(out), "--raw-dir", str(raw), "--vocab-size", str(vocab),
+           "--workers", str(workers), "--spm-sample-lines", str(sample_lines), "--quiet"]
+    res = json.loads(subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], capture_output=True, text=True,
+                                    check=True).stdout)
+    if res["rc"]:
+        raise SystemExit(f"prepare failed ({res['rc']}): {' '.join(cmd)}")
+    m = json.loads((out / "manifest.json").read_text())
+    res.update(pairs=m["filters"]["train"]["read"], clean_s=m["seconds"]["clean"], train_s=m["seconds"]["train"],
+               subword_s=m["seconds"]["subword"])
+    res["lines_per_s"] = 2 * res["pairs"] / (res["clean_s"] + res["train_s"])
+    return res
+
+
+def baseline_lines_per_s(raw: Path, spm_model: Path) -> float:
+    """One process, one line at a time: read, SentencePiece-encode, discard."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    n, t = 0, time.perf_counter()
+    for lang in ("en", "de"):
+        with open(raw / f"train.{lang}", encoding="utf-8") as f:
+            for line in f:
+                sp.encode(line.rstrip("\n"), out_type=int)
+                n += 1
+    return n / (time.perf_counter() - t)
+
+
+def hardware() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or "?")
+    mem = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")), "0")
+    return f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {model}, {int(mem) / 2**20:.0f} GiB RAM"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=sorted({1, len(os.sched_getaffinity(0))}))
+    p.add_argument("--scale", type=int, default=8, help="the large corpus is this many copies of the base")
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--write", type=Path, help="write the results as markdown to this file")
+    args = p.parse_args()
+    if not DATA.is_dir():
+        raise SystemExit(f"needs the shared test data at {DATA}")
+
+    pairs = base_pairs()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_data_prep_") as tmp:
+        tmp = Path(tmp)
+        raws = {1: tmp / "raw_x1", args.scale: tmp / f"raw_x{args.scale}"}
+        sizes = {scale: write_corpus(raw, pairs, scale) for scale, raw in raws.items()}
+        sample = 2 * sizes[1]  # the same SentencePiece sample at every scale
+        for scale, raw in raws.items():
+            for w in args.workers:
+                res = run_prepare(raw, tmp / f"out_x{scale}_w{w}", w, args.vocab_size, sample)
+                rows.append(dict(scale=scale, workers=w, **res))
+                print(json.dumps(rows[-1]), flush=True)
+        big = raws[args.scale]
+        base = baseline_lines_per_s(big, tmp / f"out_x{args.scale}_w{args.workers[0]}" / "spm.model")
+        print(json.dumps({"baseline_lines_per_s": base}), flush=True)
+
+    lines = [f"# Data preparation benchmark\n",
+             f"Command: `python bench/data_prep.py {' '.join(sys.argv[1:])}`  ",
+             f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
+             f"Hardware: {hardware()}  ",
+             f"Corpus: x1 = {sizes[1]} En-De pairs of real text (newstest2013/2014, Multi30k train, OpenNMT "
+             f"WMT sample), x{args.scale} = {sizes[args.scale]} pairs; vocabulary {args.vocab_size} (BPE); "
+             f"SentencePiece sample {sample} lines at both scales.\n",
+             f"Baseline, one process encoding the x{args.scale} raw lines one at a time with SentencePiece: "
+             f"**{base:,.0f} lines/s**.\n",
+             "| corpus | pairs | workers | clean s | encode+binarize s | lines/s (clean+encode+binarize) | "
+             "vs baseline | subword training s | wall s | peak RSS MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| x{r['scale']} | {r['pairs']} | {r['workers']} | {r['clean_s']:.1f} | {r['train_s']:.1f} | "
+                     f"{r['lines_per_s']:,.0f} | {r['lines_per_s'] / base:.2f} | {r['subword_s']:.1f} | "
+                     f"{r['wall_s']:.1f} | {r['maxrss_mib']:.0f} |")
+    lines.append("")
+    for w in args.workers:
+        small = next(r for r in rows if r["scale"] == 1 and r["workers"] == w)
+        large = next(r for r in rows if r["scale"] == args.scale and r["workers"] == w)
+        lines.append(f"Peak RSS x{args.scale} / x1 with {w} worker(s): "
+                     f"**{large['maxrss_mib'] / small['maxrss_mib']:.2f}** "
+                     f"({large['maxrss_mib']:.0f} / {small['maxrss_mib']:.0f} MiB).  ")
+    lines += ["",
+              "How to read it: the baseline only encodes; the pipeline also decodes, normalises (Moses "
+              "punctuation, non-printing characters), deduplicates and writes the cleaned text, then "
+              "encodes, filters and binarizes: two passes over the corpus. Workers parallelise the "
+              "normalisation and the encoding; the main process reads, deduplicates and writes "
+              "(`IndexedDatasetWriter.add`, ~12 us per sentence, is the largest serial cost), which "
+              "bounds the speed-up from more workers. The peak RSS is the main process (torch is imported "
+              "for the writer: ~250 MiB of it is constant); what grows is the duplicate filter (11-23 "
+              "bytes per pair) and the index writer (4 bytes per sentence per side)."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.write:
+        args.write.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
