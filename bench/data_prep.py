@@ -133,7 +133,7 @@ def main() -> None:
         base = baseline_lines_per_s(big, tmp / f"out_x{args.scale}_w{args.workers[0]}" / "spm.model")
         print(json.dumps({"baseline_lines_per_s": base}), flush=True)
 
-    lines = [f"# Data preparation benchmark\n",
+    lines = ["# Data preparation benchmark\n",
              f"Command: `python bench/data_prep.py {' '.join(sys.argv[1:])}`  ",
              f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}  ",
              f"Hardware: {hardware()}  ",

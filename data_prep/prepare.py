@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: python data_prep/prepare.py
 
 from data_prep import PrepError
 from data_prep.pipeline import FilterOptions, Plan, SubwordOptions, prepare
-from data_prep.sources import (DatasetPairs, FilePairs, TsvPairs, find_json_split, find_side,
+from data_prep.sources import (FilePairs, TsvPairs, find_json_split, find_side,
                                load_hub_split, load_json_split)
 
 DEFAULT_VOCAB = {frozenset(("en", "de")): 32_000, frozenset(("en", "fr")): 40_000}
