@@ -6,6 +6,7 @@
     optim:   optimizer, learning-rate schedule, clipping, label smoothing
     train:   run directory, length of the run, checkpoint/validation/log cadence, seed
     engine:  pipeline stages and the distributed port (the rest of *how* is the DeepSpeed JSON)
+    guard:   the divergence guard: skip non-finite updates, roll back on divergence
 
 The tree is validated once, written into the run directory and every checkpoint, and each
 module receives only its section. The defaults below are the embedded default run (a tiny model
@@ -105,8 +106,21 @@ class EngineSection:
     activation_checkpointing: bool = False
 
 
+@dataclass
+class GuardSection:
+    """The divergence guard (admin_ds/reliability.py): non-finite updates are skipped and
+    counted; too many in a row, or a loss spike, roll back to the newest complete checkpoint
+    with the learning rate lowered."""
+    max_consecutive_nonfinite: int = 5  # roll back after this many skipped updates in a row; 0: never
+    spike_factor: float = 3.0  # roll back when the loss exceeds this x its running average; 0: never
+    ema_beta: float = 0.98  # running average: ema = beta * ema + (1 - beta) * loss
+    warmup_updates: int = 100  # finite updates before spikes are looked for
+    lr_factor: float = 0.5  # each rollback multiplies the learning rate by this
+    max_rollbacks: int = 3  # then the run stops with an error
+
+
 SECTIONS = {"model": ModelSection, "data": DataSection, "admin": AdminSection, "optim": OptimSection,
-            "train": TrainSection, "engine": EngineSection}
+            "train": TrainSection, "engine": EngineSection, "guard": GuardSection}
 
 
 @dataclass
@@ -117,6 +131,7 @@ class RunConfig:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     engine: EngineSection = field(default_factory=EngineSection)
+    guard: GuardSection = field(default_factory=GuardSection)
 
     def validate(self) -> "RunConfig":
         def need(ok, name, msg):
@@ -136,6 +151,13 @@ class RunConfig:
         need(self.train.save_interval_updates > 0, "train.save_interval_updates", "must be positive")
         need(self.train.keep_last >= 1, "train.keep_last", "must be >= 1")
         need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
+        g = self.guard
+        need(g.max_consecutive_nonfinite >= 0, "guard.max_consecutive_nonfinite", "must be >= 0 (0: never roll back)")
+        need(g.spike_factor == 0 or g.spike_factor > 1, "guard.spike_factor", "must be > 1 (0: off)")
+        need(0 <= g.ema_beta < 1, "guard.ema_beta", "must be in [0, 1)")
+        need(g.warmup_updates >= 0, "guard.warmup_updates", "must be >= 0")
+        need(0 < g.lr_factor <= 1, "guard.lr_factor", "must be in (0, 1]")
+        need(g.max_rollbacks >= 0, "guard.max_rollbacks", "must be >= 0")
         self.model.build()  # validates the preset and overrides
         return self
 

@@ -6,8 +6,10 @@ Order of work (each step refuses bad input before the next one starts):
   1. resolve the DeepSpeed JSON against the run config; print the derived batch numbers
   2. the data directory (rank 0 prepares the embedded default if no data is given)
   3. the model, the engine, the resumable batch iterator
-  4. resume from the newest complete checkpoint, or profile omega (distributed) / load a profile
-  5. updates, with logs, validation and atomic checkpoints at their intervals
+  4. resume from the newest complete checkpoint (another layout: through a universal conversion,
+     decided before the engine is built), or profile omega (distributed) / load a profile
+  5. updates, with logs, validation and atomic checkpoints at their intervals; the divergence
+     guard skips non-finite updates and rolls back on divergence (reliability.py)
   6. final checkpoint, validation loss, BLEU on the test split, summary
 
 Loss normalisation (DESIGN.md decision 5). The update's gradient is
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 
 from admin_ds import checkpoint as ckpt
 from admin_ds import engine as eng
+from admin_ds import reliability
 from admin_ds.config import ConfigError, ModelConfig
 from admin_ds.data import EpochBatchIterator
 from admin_ds.data.binarize import load_manifest, open_split, prepare_default_data
@@ -116,9 +119,17 @@ class Trainer:
     def setup(self) -> None:
         run = self.run
         raw_ds = eng.load_ds_config(self.ds_path)
-        eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s)
+        eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s, run.engine.connect_timeout_s)
         self.rank, self.world = eng.rank(), eng.world_size()
         self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
+        layout = eng.world_layout()
+        self.log.info(f"[world] {layout['nodes']} node(s): " + ", ".join(
+            f"{host} x {n}" for host, n in layout["ranks_per_node"].items()))
+        for name, want, have in (("engine.expect_world_size", run.engine.expect_world_size, layout["world_size"]),
+                                 ("engine.expect_nodes", run.engine.expect_nodes, layout["nodes"])):
+            if want is not None and want != have:
+                raise ConfigError(f"{name}={want}, but this launch has {have}; check the hostfile / "
+                                  "allocation (nothing was started)")
         self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
         self.pipeline = run.engine.pipeline_stages > 1
         self.dp = self.world // run.engine.pipeline_stages
@@ -135,6 +146,7 @@ class Trainer:
         self.manifest = self._manifest()
         cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
         self.model_cfg = cfg
+        self.resume_plan = self._plan_resume()  # before the engine: a layout change needs load_universal
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "run_config.json").write_text(dump_run_config(run) + "\n")
@@ -155,6 +167,8 @@ class Trainer:
                           + describe_partition(model))
         self.engine = eng.initialize(model, run, self.ds)
         self.model = self.engine.module
+        reliability.install_skip(self.engine)  # non-finite updates are skipped under every ZeRO stage
+        self.guard = reliability.DivergenceGuard(run.guard)
         if self.pipeline:
             grid = self.engine.grid
             self.dp_rank, self.dp_group = grid.get_data_parallel_id(), grid.get_data_parallel_group()
@@ -241,6 +255,7 @@ class Trainer:
                           f"target tokens over {self.dp} rank(s) in {time.perf_counter() - t0:.2f}s "
                           f"({run.admin.formula} formula)")
         self.profile = profile
+        reliability.FAULTS.profile_point()
         self.write_omega(profile)
         if self.rank == 0:
             profile.save(self.run_dir / "admin_profile.json")
@@ -310,6 +325,7 @@ class Trainer:
         and averages over data-parallel ranks; the scale set per update undoes both and divides by
         the update's target tokens, as in the data-parallel path. Sums are kept for logging."""
         loss, nll = label_smoothed_nll(logits, target, self.run.optim.label_smoothing, self.model_cfg.pad_idx)
+        loss = reliability.FAULTS.loss(loss, self.rank)
         self._pipe_sums += torch.tensor([loss.item(), nll.item(), float(target.ne(self.model_cfg.pad_idx).sum())],
                                         dtype=torch.float64)
         return loss * self._pipe_scale
@@ -320,6 +336,8 @@ class Trainer:
 
     def train_update(self) -> dict:
         """One optimizer update: GAS micro-batches on each rank (see the module docstring)."""
+        reliability.FAULTS.begin_update(self.state.update + 1)
+        self._skipped_before = self.engine.skipped_steps
         mbs = [self.iterator.next_batch() for _ in range(self.gas)]
         local = torch.tensor([sum(b["ntokens"] for b in mbs), sum(b["nsentences"] for b in mbs)], dtype=torch.float64)
         # Every pipeline stage draws the same batches, so reducing over data-parallel ranks suffices.
@@ -336,6 +354,7 @@ class Trainer:
         for i, b in enumerate(mbs):
             logits = self.engine(b["src_tokens"].to(self.device), b["tgt_in_tokens"].to(self.device))
             loss, nll = label_smoothed_nll(logits, b["target"].to(self.device), eps, pad)
+            loss = reliability.FAULTS.loss(loss, self.rank)
             self.engine.backward(loss * (self.dp / ntokens), scale_wrt_gas=False)
             if i == len(mbs) - 1 and self.zero == 0:
                 grad_norm = _grad_norm(self.model)  # without ZeRO, DeepSpeed only measures it to clip
@@ -350,8 +369,13 @@ class Trainer:
         self.state.epoch = self.iterator.epoch
         self.state.tokens_seen += ntokens
         self.state.sentences_seen += nsentences
-        return {"loss": float(sums[0]) / ntokens / LN2, "nll": float(sums[1]) / ntokens / LN2,
-                "ntokens": ntokens, "nsentences": nsentences, "grad_norm": grad_norm}
+        loss = float(sums[0]) / ntokens / LN2
+        # DeepSpeed skipped the step (reliability.py); in fp16 a skip with a finite loss is the
+        # loss scaler's overflow, which is routine and left to it.
+        skipped = self.engine.skipped_steps > self._skipped_before
+        nonfinite = not math.isfinite(loss) or (skipped and eng.precision(self.ds) != "fp16")
+        return {"loss": loss, "nll": float(sums[1]) / ntokens / LN2, "ntokens": ntokens, "nsentences": nsentences,
+                "grad_norm": grad_norm, "nonfinite": nonfinite}
 
     @torch.no_grad()
     def validate(self, split: str) -> dict:
@@ -434,23 +458,72 @@ class Trainer:
             "profile": None if self.profile is None else self.profile.to_dict(),
             "train_state": vars(self.state).copy(), "data_state": self.iterator.state_dict(),
             "subword_sha256": self.manifest.get("subword_sha256"),
-            "layout": {"world_size": self.world, "data_parallel": self.dp,
-                       "pipeline": self.run.engine.pipeline_stages, "zero": eng.zero_stage(self.ds),
-                       "precision": eng.precision(self.ds)}}}
+            "layout": self.layout(), "guard": self.guard.state_dict()}}
+
+    def layout(self) -> dict:
+        return {"world_size": self.world, "data_parallel": self.dp, "pipeline": self.run.engine.pipeline_stages,
+                "zero": eng.zero_stage(self.ds), "precision": eng.precision(self.ds),
+                "gradient_accumulation_steps": self.gas}
 
     def save(self) -> None:
         t0 = time.perf_counter()
-        tag = ckpt.save(self.engine, self.ckpt_dir, self.state.update, self.client_state(), self.run.train.keep_last)
+        tag = ckpt.save(self.engine, self.ckpt_dir, self.state.update, self.client_state(), self.run.train.keep_last,
+                        write_hook=reliability.FAULTS.save_hook(self.state.update))
         self.saved_update = self.state.update
         self.log.info(f"[checkpoint] saved {self.ckpt_dir / tag} in {time.perf_counter() - t0:.1f}s")
 
-    def try_resume(self) -> bool:
+    def _plan_resume(self) -> Optional[reliability.ResumePlan]:
+        """Every rank reads the newest complete checkpoint's COMPLETE marker: a different model,
+        vocabulary or subword model is refused before anything is built, and a different layout
+        builds the engine for DeepSpeed's universal checkpoint (reliability.py)."""
         if not self.run.train.resume:
-            return False
-        tag = ckpt.newest_complete(self.ckpt_dir)
+            return None
+        tag = self._newest_checkpoint()
         if tag is None:
-            return False
-        client = ckpt.load(self.engine, self.ckpt_dir, tag)["admin_ds"]
+            return None
+        info = ckpt.read_info(self.ckpt_dir / tag)
+        reliability.check_compatible(str(self.ckpt_dir / tag), info, self.model_cfg, self.manifest)
+        plan = reliability.plan_resume(self.ckpt_dir, tag, info, self.layout())
+        reliability.configure_loading(self.ds, plan)
+        return plan
+
+    def _newest_checkpoint(self) -> Optional[str]:
+        """The newest complete checkpoint with intact files (rank 0 checks their digests and sets
+        corrupt ones aside), the same on every rank."""
+        found = {}
+        if self.rank == 0:
+            try:
+                found["tag"] = ckpt.newest_verified(self.ckpt_dir, self.log.info)
+            except OSError as e:  # every rank must learn of it, not hang
+                found["error"] = f"{type(e).__name__}: {e}"
+        found = eng.broadcast_object(found)
+        if "error" in found:
+            raise RuntimeError(f"reading the checkpoints in {self.ckpt_dir} failed on rank 0: {found['error']}")
+        return found["tag"]
+
+    def _universal(self, plan: reliability.ResumePlan) -> Path:
+        """Rank 0 converts the tag once (the others wait); every rank then checks its names."""
+        kinds = reliability.pipeline_layer_kinds(self.model_cfg)
+        if self.pipeline and kinds != self.model.layer_kinds:
+            raise RuntimeError(f"reliability.pipeline_layer_kinds {kinds} != the pipeline's {self.model.layer_kinds}")
+        err = None
+        if self.rank == 0:
+            try:
+                reliability.ensure_universal(self.ckpt_dir, plan, kinds, self.log.info)
+            except Exception as e:  # every rank must learn of it, not hang
+                err = f"{type(e).__name__}: {e}"
+        err = eng.broadcast_object(err)
+        if err:
+            raise RuntimeError(f"converting {self.ckpt_dir / plan.tag} to a universal checkpoint failed on rank 0: {err}")
+        udir = reliability.universal_dir(self.ckpt_dir, plan.tag)
+        reliability.check_universal_names(udir, self.engine)
+        return udir
+
+    def _restore(self, tag: str, universal: Optional[Path] = None, rollback: bool = False) -> None:
+        """Load ``tag`` and our state from it. A rollback keeps the data position (the guard
+        continues after the divergence) and the guard's learning-rate multiplier."""
+        with reliability.universal_loading(self.engine, universal is not None):
+            client = ckpt.load(self.engine, self.ckpt_dir, tag, universal=universal)["admin_ds"]
         saved = ModelConfig.from_dict(client["model_config"])
         if saved != self.model_cfg:
             diff = [k for k in saved.to_dict() if saved.to_dict()[k] != self.model_cfg.to_dict()[k]]
@@ -461,11 +534,46 @@ class Trainer:
                               f"{self.data_dir}/{self.manifest['subword_model']}")
         self.state = TrainState(**client["train_state"])
         self.saved_update = self.state.update
-        self.iterator.load_state_dict(client["data_state"])
+        if not rollback:
+            self.iterator.load_state_dict(client["data_state"])
         if client.get("profile"):
             self.profile = Profile.from_dict(client["profile"])
-        self.log.info(f"[resume] from {self.ckpt_dir / tag}: update {self.state.update}, epoch {self.state.epoch}")
+        if universal is not None:
+            reliability.restore_buffer_omegas(self.engine, self.profile)
+        self.guard.load_state_dict(client.get("guard"), rollback=rollback)
+        if self.guard.state.lr_scale != 1.0:
+            reliability.apply_lr_scale(self.engine, self.run.optim.lr, self.guard.state.lr_scale)
+
+    def try_resume(self) -> bool:
+        plan = self.resume_plan
+        if plan is None:
+            return False
+        if self.rank == 0:
+            removed = ckpt.remove_torn(self.ckpt_dir)
+            if removed:
+                self.log.info(f"[resume] removed incomplete checkpoint(s): {', '.join(sorted(removed))}")
+        for note in plan.notes:
+            self.log.info(f"[resume] {note}")
+        self._restore(plan.tag, self._universal(plan) if plan.universal else None)
+        change = f"; layout {reliability.describe(plan.saved)} -> {reliability.describe(plan.current)}" \
+            if plan.saved != plan.current else ""
+        self.log.info(f"[resume] from {self.ckpt_dir / plan.tag}: update {self.state.update}, "
+                      f"epoch {self.state.epoch}{change}")
         return True
+
+    def rollback(self, reason: str) -> None:
+        """The divergence guard's remedy (reliability.py): the newest complete checkpoint, the
+        learning rate x guard.lr_factor, the data after the divergence. Collective."""
+        at = self.state.update
+        tag = self._newest_checkpoint()
+        scale = self.guard.begin_rollback(reason, tag)
+        self.guard.state.lr_scale, self.guard.state.rollbacks = scale, self.guard.state.rollbacks + 1
+        plan = reliability.plan_resume(self.ckpt_dir, tag, ckpt.read_info(self.ckpt_dir / tag), self.layout())
+        self._restore(tag, self._universal(plan) if plan.universal else None, rollback=True)
+        self.log.record("rollback", update=at, to_update=self.state.update, reason=reason, lr_scale=scale,
+                        lr=self.engine.get_lr()[0], rollbacks=self.guard.state.rollbacks)
+        self.log.info(f"[guard] {reason} at update {at}: rolled back to {self.ckpt_dir / tag}, "
+                      f"learning rate x{scale:g} from here on")
 
     # ---- the run ---------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -492,6 +600,16 @@ class Trainer:
             window_tokens += stats["ntokens"]
             bar.update(1)
             u = self.state.update
+            reason = self.guard.observe(stats)
+            if stats["nonfinite"]:
+                self.log.record("skip", update=u, loss=stats["loss"], skipped_nonfinite=self.guard.state.skipped_nonfinite)
+                self.log.info(f"[guard] update {u}: non-finite loss or gradient, update skipped "
+                              f"({self.guard.state.skipped_nonfinite} so far)")
+            if reason:
+                self.rollback(reason)
+                bar.n = self.state.update
+                bar.refresh()
+                continue
             if u % run.train.log_interval == 0 or u == run.train.max_updates:
                 dt = time.perf_counter() - window_t0
                 fp16 = eng.precision(self.ds) == "fp16"
@@ -499,7 +617,8 @@ class Trainer:
                         "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
                         "lr": self.engine.get_lr()[0], "grad_norm": stats["grad_norm"],
                         "loss_scale": self.engine.optimizer.cur_scale if fp16 else None,
-                        "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"]}
+                        "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"],
+                        "skipped_nonfinite": self.guard.state.skipped_nonfinite}
                 self.log.record("train", **last)
                 if self.rank == 0:
                     bar.write(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"

@@ -123,3 +123,55 @@ def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
     return {"profile": {st: t.profile.omega(st) for st in ("encoder", "decoder")},
             "src": first["src_tokens"].tolist(), "tgt": first["tgt_in_tokens"].tolist(),
             "tokens": t.profile.tokens}
+
+
+# ---- reliability (tests/test_reliability.py) ----------------------------------------------------
+
+
+def train_and_save(run_overrides: list[str], ds: dict, tmp: str, updates: int, save_at: list = (),
+                   report_at: list = ()) -> dict:
+    """Resume (or profile), run ``updates`` updates, saving after those in ``save_at``; report the
+    losses, the profile's omega, and the single-device model's parameter checksums (omega
+    included) after the updates in ``report_at``."""
+    t = _trainer(run_overrides, ds, tmp)
+    resumed = t.try_resume()
+    if not resumed:
+        t.establish_profile()
+    start, losses, params = t.state.update, {}, {}
+    for _ in range(updates):
+        stats = t.train_update()
+        u = t.state.update
+        losses[u] = stats["loss"]
+        if u in report_at:
+            state = t._consolidated_state()
+            if state is not None:
+                params[u] = {n: v.double().sum().item() for n, v in state.items()}
+        if u in save_at:
+            t.save()
+    profile = None if t.profile is None else {st: t.profile.omega(st) for st in ("encoder", "decoder")}
+    return {"resumed": resumed, "start": start, "losses": losses, "params": params, "profile": profile}
+
+
+def fit_with_faults(run_overrides: list[str], ds: dict, tmp: str, fault: str) -> dict:
+    """``Trainer.fit`` with ADMIN_DS_FAULT faults; records a checksum of this rank's module
+    parameters after every update, then reloads the newest checkpoint as a resume would."""
+    from admin_ds import checkpoint as ckpt
+    from admin_ds import reliability
+
+    reliability.FAULTS = reliability.Faults(fault)
+    t = _trainer(run_overrides, ds, tmp)
+    digests: dict = {}
+    inner = t.train_update
+
+    def recorded():
+        stats = inner()
+        digests.setdefault(t.state.update, []).append(
+            sum(p.detach().double().sum().item() for p in t.engine.module.parameters()))
+        return stats
+
+    t.train_update = recorded
+    summary = t.fit()
+    t.guard.state = reliability.GuardState()  # as in a new process
+    t._restore(ckpt.newest_complete(t.ckpt_dir))
+    return {"summary": summary, "digests": digests, "reloaded_guard": t.guard.state_dict(),
+            "reloaded_lr": t.engine.get_lr()[0], "reloaded_update": t.state.update}
