@@ -8,6 +8,7 @@ One tiny run is trained once for the module with launch/train.py (40 updates, a 
 Admin model trained in-process to copy its input (~10 s): its outputs end at varied lengths.
 """
 
+import importlib.util
 import os
 import random
 import shutil
@@ -34,6 +35,15 @@ NO_DROPOUT = dict(dropout_p=0.0, attention_dropout_p=0.0, activation_dropout_p=0
 def cli(script, *args, stdin=None, timeout=300, launcher=(sys.executable,)):
     return subprocess.run([*launcher, str(REPO / "launch" / script), *map(str, args)], input=stdin,
                           capture_output=True, text=True, env=ENV, timeout=timeout, cwd=REPO)
+
+
+def launch_module(name):
+    """A launch/ script as a module, loaded from its file (launch/ is not a package, and putting
+    it on sys.path would let its evaluate.py shadow other modules of that name)."""
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def ok(out):
@@ -213,8 +223,8 @@ def _hf_greedy(hf, src, max_len):
 
 
 def _export(source, out_dir):
-    sys.path.insert(0, str(REPO / "launch"))
-    from export import export_hf_marian
+    pytest.importorskip("transformers", reason="the export test needs transformers (requirements-dev.txt)")
+    export_hf_marian = launch_module("export").export_hf_marian
 
     from admin_ds.model_file import load_any
 
@@ -276,9 +286,11 @@ def test_marian_export_same_logits_and_greedy(exports, which, lines):
 
 def test_marian_export_tied_layout_and_refusals(tmp_path, run_dir):
     """Without an embedding-output scale (default init) the standard tied layout; Pre-LN refused."""
-    sys.path.insert(0, str(REPO / "launch"))
-    from export import ExportError, export_hf_marian
+    pytest.importorskip("transformers", reason="the export test needs transformers (requirements-dev.txt)")
     from transformers import MarianMTModel
+
+    export = launch_module("export")
+    ExportError, export_hf_marian = export.ExportError, export.export_hf_marian
 
     spm = (run_dir / "data/spm.model").read_bytes()
     torch.manual_seed(1)
@@ -308,8 +320,8 @@ def _ct2_greedy(model_dir, subword, src, max_len):
 
 
 def test_ctranslate2_conversion_greedy_equals_ours(exports, run_dir, tmp_path):
-    sys.path.insert(0, str(REPO / "launch"))
-    from export import convert_ct2
+    pytest.importorskip("ctranslate2", reason="the conversion test needs ctranslate2 (requirements-dev.txt)")
+    convert_ct2 = launch_module("export").convert_ct2
 
     source, _, hf_dir = exports["copy"]
     convert_ct2(hf_dir, tmp_path / "ct2")

@@ -1,0 +1,241 @@
+"""Translate raw text with a trained model; detokenized translations on stdout, in input order.
+
+    python launch/translate.py --checkpoint runs/x --input newstest2014.en > out.de
+    python launch/translate.py --checkpoint runs/x/checkpoints/update_001000 --input - < src.txt
+    python launch/translate.py --checkpoint avg.pt --input src.txt --beam 5 --lenpen 1.0 --nbest 5
+    python launch/translate.py --checkpoint avg.pt --input src.txt --method sample --topk 10
+    python launch/translate.py --checkpoint avg.pt --input src.txt --fold --dtype bf16 --device cuda
+    torchrun --nproc_per_node 8 launch/translate.py --checkpoint avg.pt --input src.txt > out.de
+
+--checkpoint is a run directory (its newest complete checkpoint), one checkpoint tag directory
+(``checkpoints/update_NNNNNN``) or a model file (launch/average_checkpoints.py). --fold decodes with
+omega folded away (admin_ds/fold.py): the same translations from a vanilla Post-LN model.
+
+Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
+``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
+length-normalized log-probability (an empty input line gives one line with score 0 and no text).
+
+Several ranks (WORLD_SIZE > 1, from torchrun or the deepspeed launcher): each rank translates a
+contiguous shard of the input, and rank 0 gathers the shards and writes everything in input order.
+Sampling seeds rank r with --seed + r.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="run dir, checkpoint tag dir or model file")
+    p.add_argument("--tag", help="checkpoint tag in a run dir (default: the newest complete one)")
+    p.add_argument("--input", required=True, help="raw text file, one sentence per line; - for stdin")
+    p.add_argument("--method", choices=("beam", "greedy", "sample"), default="beam")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--lenpen", type=float, default=0.6)
+    p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (beam only)")
+    p.add_argument("--max-len-a", type=float, default=1.2, help="max output length a * src_len + b")
+    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--min-len", type=int, default=1)
+    p.add_argument("--unk-penalty", type=float, default=0.0)
+    p.add_argument("--topk", type=int, default=0, help="sampling: the k most likely tokens (0: all)")
+    p.add_argument("--topp", type=float, default=0.0, help="sampling: nucleus mass in (0, 1)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1, help="sampling seed (rank r uses seed + r)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (n x longest)")
+    p.add_argument("--fold", action="store_true", help="fold omega into the weights first")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = p.parse_args(argv)
+    if args.nbest > 1 and args.method != "beam":
+        p.error("--nbest > 1 needs --method beam")
+    if args.nbest > args.beam:
+        p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Ranks
+# ------------------------------------------------------------------------------------------------
+
+
+def init_ranks(device_type: str) -> tuple[int, int]:
+    """(rank, world): joins the process group the launcher describes (env://) when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def read_input(path: str, rank: int, world: int) -> list[str]:
+    """Rank 0 reads the input (stdin reaches only one process) and shares it, or the error, with
+    every rank, so that all of them stop on a bad input instead of waiting for rank 0."""
+    from admin_ds.evaluate import read_lines
+
+    lines = error = None
+    if rank == 0:
+        try:
+            lines = read_lines(path)
+        except (OSError, ValueError) as e:
+            error = str(e)
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [(lines, error)]
+        dist.broadcast_object_list(box, src=0)
+        lines, error = box[0]
+    if error:
+        raise ValueError(error)
+    return lines
+
+
+def gather_outputs(outputs: list, rank: int, world: int):
+    """All shards on rank 0, in rank order (None elsewhere)."""
+    if world == 1:
+        return outputs
+    import torch.distributed as dist
+
+    parts = [None] * world if rank == 0 else None
+    dist.gather_object(outputs, parts, dst=0)
+    return [x for part in parts for x in part] if rank == 0 else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Translation
+# ------------------------------------------------------------------------------------------------
+
+
+def plan_batches(subword, lines, max_tokens: int, max_positions: int) -> list[list[int]]:
+    """Line indices grouped exactly as ``admin_ds.decode.translate`` groups them (non-empty lines,
+    length = subword ids + EOS, capped at max_positions; ``make_batches``). Translating batch by
+    batch then gives translate's output for all lines (same batches, same rows, same order), with
+    progress reporting in between."""
+    from admin_ds.decode import make_batches
+
+    todo, lengths = [], []
+    for i, (line, ids) in enumerate(zip(lines, subword.encode(lines))):
+        if line.strip() and ids:
+            todo.append(i)
+            lengths.append(min(len(ids) + 1, max_positions))
+    return [[todo[j] for j in batch] for batch in make_batches(lengths, max_tokens)]
+
+
+def nbest_batch(model, subword, lines: list[str], args) -> list[list[tuple[float, str]]]:
+    """(score, text) n-best lists of one planned batch, via ``beam_search`` (``translate`` keeps
+    only the best). Sources are built as translate builds them: ids + EOS, truncated, right-padded."""
+    import torch
+
+    from admin_ds.decode import beam_search
+
+    cfg = model.cfg
+    srcs = [ids[:cfg.max_positions - 1] + [cfg.eos_idx] for ids in subword.encode(lines)]
+    src = torch.full((len(srcs), max(map(len, srcs))), cfg.pad_idx, dtype=torch.long)
+    for r, ids in enumerate(srcs):
+        src[r, :len(ids)] = torch.tensor(ids)
+    hyps = beam_search(model, src.to(next(model.parameters()).device), beam=args.beam, lenpen=args.lenpen,
+                       max_len_a=args.max_len_a, max_len_b=args.max_len_b, nbest=args.nbest,
+                       unk_penalty=args.unk_penalty, min_len=args.min_len)
+    return [list(zip([h.score for h in sent], subword.decode([h.tokens for h in sent]))) for sent in hyps]
+
+
+def translate_shard(model, subword, lines: list[str], args, seed: int, progress) -> list[str]:
+    """Output lines (formatted for stdout) for ``lines``, in their order."""
+    import torch
+
+    from admin_ds.decode import translate
+
+    kw = dict(max_len_a=args.max_len_a, max_len_b=args.max_len_b, unk_penalty=args.unk_penalty,
+              min_len=args.min_len)
+    if args.method == "sample":
+        # One generator for the whole shard, consumed batch after batch as in one translate call.
+        kw.update(topk=args.topk, topp=args.topp, temperature=args.temperature,
+                  generator=torch.Generator(device=next(model.parameters()).device).manual_seed(seed))
+    nbest = [[(0.0, "")] for _ in lines]
+    best = [""] * len(lines)
+    for batch in plan_batches(subword, lines, args.max_tokens, model.cfg.max_positions):
+        batch_lines = [lines[i] for i in batch]
+        if args.nbest > 1:
+            for i, hyps in zip(batch, nbest_batch(model, subword, batch_lines, args)):
+                nbest[i] = hyps
+        else:
+            texts = translate(model, subword, batch_lines, beam=args.beam, lenpen=args.lenpen,
+                              max_tokens=args.max_tokens, method=args.method, **kw)
+            for i, text in zip(batch, texts):
+                best[i] = text
+        progress.update(len(batch))
+    if args.nbest == 1:
+        return best
+    return [f"{i}\t{score:.6g}\t{text}" for i, hyps in enumerate(nbest) for score, text in hyps]
+
+
+def load_model(args, device: str):
+    """The model (eval, on ``device`` in --dtype, folded if --fold) and its subword model."""
+    import torch
+
+    from admin_ds.fold import fold_omega
+    from admin_ds.model_file import build_from_model_file, load_any
+
+    mf = load_any(args.checkpoint, args.tag)
+    model, subword = build_from_model_file(mf, "cpu", torch.float32)
+    if args.fold:
+        model = fold_omega(model)  # in fp32, before any cast
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    return model.to(device=device, dtype=dtype).eval(), subword
+
+
+def main(argv=None) -> int:
+    # Translations go to the real stdout; everything else (DeepSpeed's logger binds sys.stdout when
+    # it is first imported, zero_to_fp32 prints) is sent to stderr.
+    results = sys.stdout
+    sys.stdout = sys.stderr
+    args = parse_args(argv)
+    import torch
+    from tqdm import tqdm
+
+    from admin_ds.model_file import ModelFileError
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        rank, world = init_ranks(device)
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+        lines = read_input(args.input, rank, world)
+        model, subword = load_model(args, device)
+    except (ModelFileError, NotImplementedError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    start, end = len(lines) * rank // world, len(lines) * (rank + 1) // world
+    t0 = time.perf_counter()
+    with tqdm(total=end - start, unit="sent", desc="translate", file=sys.stderr,
+              disable=args.quiet or rank != 0) as progress:
+        outputs = translate_shard(model, subword, lines[start:end], args, args.seed + rank, progress)
+    outputs = gather_outputs(outputs, rank, world)
+    if rank == 0:
+        results.buffer.write("".join(f"{line}\n" for line in outputs).encode("utf-8"))
+        results.flush()
+        print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.1f}s on {world} rank(s), "
+              f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {args.dtype}"
+              f"{', folded' if args.fold else ''}; model {args.checkpoint}",
+              file=sys.stderr)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
