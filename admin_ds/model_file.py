@@ -24,8 +24,9 @@ weights come from DeepSpeed's own consolidation, which knows every layout it wri
   holds 16-bit copies; the fp32 masters are then the optimizer's ``fp32_groups`` (one list of
   tensors per parameter group, in the order the parameters were given to the optimizer:
   ``model.parameters()`` with requires_grad, see engine.initialize), matched by name and shape.
-* pipeline checkpoints (``layout.pipeline > 1``) hold per-layer files instead: not supported here
-  yet (``NotImplementedError``).
+* pipeline checkpoints (``layout.pipeline > 1``) hold per-layer files, which zero_to_fp32 cannot
+  read: DeepSpeed's universal converter extracts the fp32 masters, whose pipeline names are mapped
+  back to the single-device model's (pipeline.model_state_from_pipeline).
 
 DeepSpeed stays out of the training-free path: loading a model file never imports it, and
 ``load_run_checkpoint`` imports only its checkpoint-reading utilities, inside the function.
@@ -225,6 +226,42 @@ def _zero0_weights(states: dict, model_config: ModelConfig, source: Path) -> tup
     return weights, "module + optimizer fp32_groups (16-bit run)"
 
 
+def _pipeline_weights(tag_dir: Path, model_config: ModelConfig, profile: Optional[dict]) -> tuple[dict, str]:
+    """fp32 weights of a pipeline checkpoint. zero_to_fp32 cannot read pipeline checkpoints, so
+    DeepSpeed's universal converter extracts every parameter's fp32 master into
+    ``zero/<pipeline name>/fp32.pt``; the names are mapped back to the single-device model's.
+    Buffers (a fixed omega, DeepNorm's alpha) are not in it: omega comes from the profile, the
+    rest from the config."""
+    import tempfile
+
+    from admin_ds import engine as eng
+    from admin_ds.model import build_model
+    from admin_ds.pipeline import model_state_from_pipeline
+    from admin_ds.reliability import pipeline_layer_kinds
+
+    with tempfile.TemporaryDirectory(prefix="admin_ds_universal_") as tmp:
+        with _stdout_to_stderr():
+            eng.ds_to_universal(str(tag_dir), tmp)
+        named = {d.name: torch.load(d / "fp32.pt", weights_only=True)["param"]
+                 for d in (Path(tmp) / "zero").iterdir() if (d / "fp32.pt").is_file()}
+    weights = model_state_from_pipeline(pipeline_layer_kinds(model_config), named)
+    torch.manual_seed(0)
+    reference = build_model(model_config).state_dict()
+    omega = {(s["stack"], s["index"]): s["omega"] for s in (profile or {}).get("sublayers", [])}
+    for name, value in reference.items():
+        if name in weights:
+            weights[name] = weights[name].view(value.shape)
+        elif name.endswith("omega") and omega:
+            layer, residual = name.split(".")[:2], name.split(".")[2]
+            stack = "encoder" if layer[0] == "encoder_layers" else "decoder"
+            kinds = ["self_attn", "ffn"] if stack == "encoder" else ["self_attn", "encoder_attn", "ffn"]
+            index = int(layer[1]) * len(kinds) + kinds.index(residual.removesuffix("_residual")) + 1
+            weights[name] = torch.full_like(value, omega[(stack, index)])
+        else:
+            weights[name] = value  # a buffer fixed by the config
+    return weights, "deepspeed universal checkpoint (pipeline)"
+
+
 def _subword_bytes(run_dir: Path, run_config: Optional[dict], expected_sha: Optional[str]) -> tuple[bytes, dict]:
     """The run's SentencePiece model (bytes) and its data manifest, checked against the sha256
     the checkpoint recorded."""
@@ -264,14 +301,11 @@ def _load_run_checkpoint(path: Path, tag: Optional[str]) -> ModelFile:
     if not client:
         raise ModelFileError(f"{states_file}: no 'admin_ds' client state: not a checkpoint of this code")
     layout = client.get("layout", {})
-    if layout.get("pipeline", 1) > 1:
-        raise NotImplementedError(
-            f"{tag_dir}: a pipeline checkpoint (layout: pipeline={layout['pipeline']}, "
-            f"data_parallel={layout.get('data_parallel')}); reading its per-layer files is not "
-            f"implemented yet (DEEPSPEED_NOTES.md section 4: zero_to_fp32 fails on them)")
     model_config = ModelConfig.from_dict(client["model_config"])
 
-    if layout.get("zero", 0) >= 1:
+    if layout.get("pipeline", 1) > 1:
+        weights, how = _pipeline_weights(tag_dir, model_config, client.get("profile"))
+    elif layout.get("zero", 0) >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)

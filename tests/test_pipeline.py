@@ -129,3 +129,33 @@ def test_cost_balanced_partition_of_60L_12L():
         stage_costs = [sum(costs[a:b]) for a, b in zip(parts, parts[1:])]
         assert max(stage_costs) - min(stage_costs) <= max(costs[1:-1]) + 1e-9 or max(stage_costs) == costs[-1]
         assert parts[0] == 0 and parts[-1] == len(kinds)
+
+
+def test_pipeline_checkpoint_averages_and_exports_like_data_parallel(tmp_path, data_dir):
+    """A pipeline checkpoint is read through DeepSpeed's universal converter into the single-device
+    model's names: its weights equal the ones gathered from the stages at save time, and
+    average_checkpoints.py / translate.py work from the run directory."""
+    import subprocess
+    import sys
+
+    from admin_ds.model_file import load_run_checkpoint
+    from distributed import REPO
+
+    run = tmp_path / "run"
+    saved = spawn(2, "train_updates", tmp_path / "out", run_overrides=overrides(run, data_dir), ds=PIPE,
+                  tmp=str(tmp_path), updates=2, save=True)[0]
+    mf = load_run_checkpoint(run)
+    assert mf.meta["weights_from"] == "deepspeed universal checkpoint (pipeline)"
+    assert set(mf.state_dict) == set(saved["params"])
+    for name, checksum in saved["params"].items():
+        assert mf.state_dict[name].double().sum().item() == pytest.approx(checksum, rel=1e-6, abs=1e-9), name
+    out = subprocess.run([sys.executable, str(REPO / "launch/average_checkpoints.py"), "--run", str(run), "--last", "1",
+                          "--out", str(tmp_path / "avg.pt")], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    src = tmp_path / "in.txt"
+    src.write_text("The black sailor eats.\nHugo did not say that Sara closed this king.\n")
+    out = subprocess.run([sys.executable, str(REPO / "launch/translate.py"), "--checkpoint", str(tmp_path / "avg.pt"),
+                          "--input", str(src), "--beam", "2", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.splitlines()) == 2
