@@ -1,0 +1,398 @@
+"""Back-translation: a reverse model (TGT -> SRC) translates target-language monolingual text,
+the synthetic (source, target) pairs are filtered like preparation's training pairs, optionally
+tagged with the reserved ``<BT>`` piece, and combined with the (upsampled) real bitext into a data
+directory that training reads directly (``--data.path``). Entry point:
+``bash data_prep/backtranslate.sh`` (``python -m data_prep.backtranslate``); see data_prep/README.md.
+
+Steps:
+    read      the mono files, decoded and normalised as preparation normalises (empty lines and
+              invalid UTF-8 dropped, counted), split into K contiguous shards
+    translate each shard -> OUT/shards/NNN.{src,tgt} + NNN.done.json (skipped when its record
+              matches: same input checksum, options, model; outputs unchanged). With WORLD_SIZE > 1
+              rank r translates shards r, r+W, ...; shard i is seeded with seed + i.
+    combine   real train pairs x --upsample, then the synthetic pairs that pass the length filters
+              (1..250 subwords, ratio 1.5, non-empty), binarized with the bitext's spm.model;
+              valid/test and the subword model copied; manifest.json written last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from data_prep import PrepError
+from data_prep.clean import PunctNormalizer, decode_side, length_filter, normalize
+from data_prep.noise import encode_with_blanks, noise_line
+from data_prep.pipeline import FilterOptions, _counts, open_output_dir
+from data_prep.sources import file_sha256
+from data_prep.steps import AtomicOutput, make_key
+
+BT_VERSION = 1
+METHODS = ("beam", "sampling", "topk", "noised-beam")
+TAG = "<BT>"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog=os.environ.get("DATA_PREP_ARGV0"), description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, type=Path, help="reverse model: run dir, checkpoint tag dir or model file")
+    p.add_argument("--mono", required=True, nargs="+", type=Path, help="target-language monolingual text")
+    p.add_argument("--out", required=True, type=Path, help="output data directory")
+    p.add_argument("--bitext", required=True, type=Path, help="prepared real data directory (manifest.json, spm.model)")
+    p.add_argument("--method", choices=METHODS, default="sampling")
+    p.add_argument("--tag", action="store_true", help=f"prefix synthetic sources with {TAG}")
+    p.add_argument("--upsample", type=int, default=1, help="copies of the real bitext")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="shard i uses seed + i")
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--lenpen", type=float, default=1.0)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--max-len-a", type=float, default=1.2)
+    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--shuffle", action="store_true", help="shuffle the combined pairs with the seed "
+                   "(default: real x upsample, then synthetic, in order)")
+    p.add_argument("--workers", type=int, default=1, help="torch threads for decoding")
+    p.add_argument("--min-len", type=int, default=1)
+    p.add_argument("--max-len", type=int, default=250)
+    p.add_argument("--ratio", type=float, default=1.5)
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    for name in ("upsample", "shards", "beam", "topk", "max_tokens", "workers"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return a
+
+
+# ---- checks -----------------------------------------------------------------------------------
+
+def check_inputs(a) -> tuple[dict, object]:
+    """Everything checked before any output is written. Returns the bitext manifest and the
+    forward SubwordModel."""
+    from admin_ds.data.binarize import load_manifest
+    from admin_ds.subword import SubwordModel
+
+    if not a.model.exists():
+        raise PrepError(f"--model {a.model}: no such file or directory")
+    for f in a.mono:
+        if not f.is_file():
+            raise PrepError(f"--mono {f}: no such file")
+        if f.stat().st_size == 0:
+            raise PrepError(f"--mono {f}: empty file")
+    if not a.bitext.is_dir():
+        raise PrepError(f"--bitext {a.bitext}: no such directory")
+    try:
+        manifest = load_manifest(a.bitext, verify=False)
+    except (FileNotFoundError, ValueError) as e:
+        raise PrepError(f"--bitext {e}") from None
+    if "train" not in manifest.get("splits", {}):
+        raise PrepError(f"--bitext {a.bitext}: no train split in its manifest")
+    try:
+        sp = SubwordModel(a.bitext / manifest.get("subword_model", "spm.model"))
+    except (OSError, ValueError) as e:
+        raise PrepError(f"--bitext {a.bitext}: {e}") from None
+    if a.tag:
+        try:
+            tag_id = sp.id_of(TAG)
+        except KeyError:
+            tag_id = None
+        if tag_id is None or sp.piece(tag_id) != TAG:
+            raise PrepError(f"--tag: {TAG} is not a single piece of {sp.path} (the forward vocabulary); "
+                            f"prepare the bitext with --user-symbols {TAG} (data_prep/prepare_wmt14.sh "
+                            "reserves it by default) or back-translate without --tag")
+    if a.out.resolve() == a.bitext.resolve():
+        raise PrepError(f"--out {a.out}: must differ from --bitext")
+    return manifest, sp
+
+
+def read_mono(files: list[Path], lang: str) -> tuple[list[str], dict]:
+    """Decoded, normalised non-empty lines (preparation's reading and normalisation)."""
+    punct = PunctNormalizer(lang)
+    lines, stats = [], {"read": 0, "invalid_utf8": 0, "empty": 0}
+    for f in files:
+        with open(f, "rb") as fh:
+            for raw in fh:
+                stats["read"] += 1
+                text = decode_side(raw.rstrip(b"\n"))
+                if text is None:
+                    stats["invalid_utf8"] += 1
+                    continue
+                text = normalize(text, punct)
+                if not text.strip():
+                    stats["empty"] += 1
+                    continue
+                lines.append(text)
+    if not lines:
+        raise PrepError(f"--mono {' '.join(map(str, files))}: no non-empty lines")
+    stats["kept"] = len(lines)
+    return lines, stats
+
+
+# ---- translation of the shards ----------------------------------------------------------------
+
+def shard_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    return [(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def text_sha(lines: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("".join(l + "\n" for l in lines).encode("utf-8")).hexdigest()
+
+
+def shard_done(out: Path, i: int, key: str) -> bool:
+    base = out / "shards" / f"{i:03d}"
+    try:
+        rec = json.loads(Path(f"{base}.done.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    if rec.get("key") != key:
+        return False
+    return all(Path(f"{base}.{s}").is_file() and file_sha256(Path(f"{base}.{s}")) == rec["outputs"][s]
+               for s in ("src", "tgt"))
+
+
+def translate_shard(model, subword, lines: list[str], a, seed: int) -> list[str]:
+    import torch
+
+    from admin_ds.decode import translate
+
+    torch.manual_seed(seed)
+    kw = dict(max_len_a=a.max_len_a, max_len_b=a.max_len_b)
+    if a.method in ("beam", "noised-beam"):
+        out = translate(model, subword, lines, beam=a.beam, lenpen=a.lenpen, max_tokens=a.max_tokens,
+                        method="beam", **kw)
+    else:
+        out = translate(model, subword, lines, max_tokens=a.max_tokens, method="sample",
+                        topk=a.topk if a.method == "topk" else 0, temperature=1.0,
+                        generator=torch.Generator().manual_seed(seed), **kw)
+    if a.method == "noised-beam":
+        rng = np.random.default_rng(seed)
+        out = [noise_line(line, rng) for line in out]
+    return out
+
+
+def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> list[dict]:
+    (a.out / "shards").mkdir(parents=True, exist_ok=True)
+    bounds = shard_bounds(len(lines), a.shards)
+    opts = {"method": a.method, "beam": a.beam, "lenpen": a.lenpen, "topk": a.topk,
+            "max_len_a": a.max_len_a, "max_len_b": a.max_len_b, "max_tokens": a.max_tokens}
+    keys = []
+    for i, (s, e) in enumerate(bounds):
+        keys.append({"version": BT_VERSION, "shard": i, "input_sha256": text_sha(lines[s:e]),
+                     "lines": e - s, "options": opts, "seed": a.seed + i, "model": model_id})
+    model = subword = None
+    for i in range(rank, a.shards, world):
+        key = make_key(keys[i])
+        base = a.out / "shards" / f"{i:03d}"
+        if shard_done(a.out, i, key):
+            log(f"[bt] shard {i}: already done, skipped")
+            continue
+        if model is None:
+            model, subword = load_model(a.model)
+        t0 = time.perf_counter()
+        s, e = bounds[i]
+        src = translate_shard(model, subword, lines[s:e], a, a.seed + i)
+        outputs = {}
+        for side, text in (("src", src), ("tgt", lines[s:e])):
+            with AtomicOutput(Path(f"{base}.{side}")) as f:
+                f.write("".join(t.replace("\n", " ") + "\n" for t in text).encode("utf-8"))
+            outputs[side] = file_sha256(Path(f"{base}.{side}"))
+        from admin_ds import atomic
+
+        dt = round(time.perf_counter() - t0, 3)
+        atomic.write_text(Path(f"{base}.done.json"), json.dumps(
+            dict(keys[i], key=key, outputs=outputs, seconds=dt), indent=1) + "\n")
+        log(f"[bt] shard {i}: {e - s} lines translated ({a.method}) in {dt:.1f}s")
+    return keys
+
+
+_MODEL_CACHE: dict = {}
+
+
+def load_model(path: Path):
+    import torch
+
+    from admin_ds.model_file import build_from_model_file, load_any
+
+    mf = _MODEL_CACHE.get("mf") or load_any(path)
+    return build_from_model_file(mf, "cpu", torch.float32)
+
+
+def model_identity(path: Path) -> dict:
+    """What identifies the reverse model: the model file's checksum, or the run checkpoint's
+    source/tag/update and subword checksum."""
+    from admin_ds.model_file import ModelFileError, load_any
+
+    try:
+        mf = load_any(path)
+    except (ModelFileError, NotImplementedError, ValueError, OSError) as e:
+        raise PrepError(f"--model {path}: {e}") from None
+    _MODEL_CACHE["mf"] = mf
+    ident = {"path": str(path.resolve()), "subword_sha256": mf.subword_sha256,
+             "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang")}
+    if path.is_file():
+        ident["sha256"] = file_sha256(path)
+    else:
+        ident.update(tag=mf.meta.get("tag"), update=mf.meta.get("update"))
+    return ident
+
+
+# ---- combine ----------------------------------------------------------------------------------
+
+def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id: dict, t_start: float) -> Path:
+    from admin_ds.data.binarize import MANIFEST, open_split, write_manifest
+    from admin_ds.data.indexed import IndexedDatasetWriter
+    from admin_ds.subword import UNK
+
+    out, bt = a.out, a.bitext
+    s_lang, t_lang = manifest["src_lang"], manifest["tgt_lang"]
+    f = FilterOptions(min_len=a.min_len, max_len=a.max_len, ratio=a.ratio)
+    tag_id = sp.id_of(TAG) if a.tag else None
+    syn_src, syn_tgt = [], []
+    for i in range(a.shards):
+        base = out / "shards" / f"{i:03d}"
+        syn_src += Path(f"{base}.src").read_text(encoding="utf-8").splitlines()
+        syn_tgt += Path(f"{base}.tgt").read_text(encoding="utf-8").splitlines()
+    stats = {"read": len(syn_src), "empty": 0, "too_short": 0, "too_long": 0, "ratio": 0, "kept": 0}
+    pairs = []
+    enc_src, enc_tgt = encode_with_blanks(sp, syn_src), sp.encode(syn_tgt)
+    for s_text, t_text, s_ids, t_ids in zip(syn_src, syn_tgt, enc_src, enc_tgt):
+        if not s_text.strip() or not t_text.strip():
+            stats["empty"] += 1
+            continue
+        reason = length_filter(len(s_ids), len(t_ids), f.min_len, f.max_len, f.ratio)
+        if reason:
+            stats[reason] += 1
+            continue
+        pairs.append(([tag_id] + list(s_ids) if a.tag else list(s_ids), list(t_ids)))
+    stats["kept"] = len(pairs)
+    real = open_split(bt, "train", manifest)
+    n_real = len(real)
+    order = [("r", j) for _ in range(a.upsample) for j in range(n_real)] + [("s", j) for j in range(len(pairs))]
+    if a.shuffle:
+        perm = np.random.default_rng(a.seed).permutation(len(order))
+        order = [order[j] for j in perm]
+    tok = {"src_tokens": 0, "tgt_tokens": 0, "src_unk": 0, "tgt_unk": 0}
+    with IndexedDatasetWriter(out / f"train.{s_lang}", sp.vocab_size) as ws, \
+            IndexedDatasetWriter(out / f"train.{t_lang}", sp.vocab_size) as wt:
+        for kind, j in order:
+            src_ids, tgt_ids = (real.src[j], real.tgt[j]) if kind == "r" else pairs[j]
+            src_ids, tgt_ids = np.asarray(src_ids, dtype=np.int64), np.asarray(tgt_ids, dtype=np.int64)
+            ws.add(src_ids)
+            wt.add(tgt_ids)
+            tok["src_tokens"] += int(src_ids.size)
+            tok["tgt_tokens"] += int(tgt_ids.size)
+            tok["src_unk"] += int(np.count_nonzero(src_ids == UNK))
+            tok["tgt_unk"] += int(np.count_nonzero(tgt_ids == UNK))
+    files = [f"train.{l}.{e}" for l in (s_lang, t_lang) for e in ("bin", "idx")]
+    for name in [manifest.get("subword_model", "spm.model"), "spm.vocab"] + [
+            n for n in manifest.get("files", {}) if not n.startswith("train.")]:
+        if (bt / name).is_file() and name not in files:
+            shutil.copyfile(bt / name, out / f"{name}.tmp")
+            os.replace(out / f"{name}.tmp", out / name)
+            files.append(name)
+    splits = {k: v for k, v in manifest["splits"].items() if k != "train"}
+    splits["train"] = {"lines": len(order), **tok}
+    filters = {k: v for k, v in manifest.get("filters", {}).items() if k != "train"}
+    filters["synthetic"] = stats
+    path = write_manifest(out, {
+        "src_lang": s_lang, "tgt_lang": t_lang, "subword_model": manifest.get("subword_model", "spm.model"),
+        "subword_sha256": sp.sha256, "vocab_size": sp.vocab_size, "splits": splits, "files": files,
+        "filters": filters,
+        "backtranslation": {
+            "counts": {"real": n_real, "real_upsampled": n_real * a.upsample, "upsample": a.upsample,
+                       "mono": mono_stats, "synthetic": stats, "train": len(order)},
+            "method": a.method, "tag": TAG if a.tag else None, "tag_id": tag_id, "seed": a.seed,
+            "shards": a.shards, "shuffle": a.shuffle, "beam": a.beam, "lenpen": a.lenpen,
+            "topk": a.topk if a.method == "topk" else None,
+            "noise": ({"word_dropout": 0.1, "blank": 0.1, "blank_token": "<unk> (unknown id)",
+                       "shuffle_k": 3} if a.method == "noised-beam" else None),
+            "length_filter": {"min_len": f.min_len, "max_len": f.max_len, "ratio": f.ratio},
+            "reverse_model": model_id, "mono_files": {str(p): file_sha256(p) for p in a.mono},
+            "shard_inputs": [k["input_sha256"] for k in keys],
+            "bitext": {"path": str(bt.resolve()), "manifest_sha256": file_sha256(bt / MANIFEST)},
+        },
+        "seconds": {"total": round(time.perf_counter() - t_start, 3)},
+        "command": " ".join([os.environ.get("DATA_PREP_ARGV0", "python -m data_prep.backtranslate")]
+                            + sys.argv[1:]),
+    })
+    log(f"[bt] synthetic: {stats['read']} pairs, {stats['kept']} kept ({_counts({k: v for k, v in stats.items() if k not in ('read', 'kept')}) or 'none dropped'}); "
+        f"train = {n_real} real x {a.upsample} + {stats['kept']} synthetic = {len(order)}")
+    log(f"[bt] manifest: {path}")
+    return path
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def init_ranks() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def run(a) -> int:
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(a.workers)
+    rank, world = init_ranks()
+    manifest, sp = check_inputs(a)
+    model_id = model_identity(a.model)
+    if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
+        log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "
+            f"{manifest['src_lang']}->{manifest['tgt_lang']} (expected a {manifest['tgt_lang']}->{manifest['src_lang']} model)")
+    lines, mono_stats = read_mono(a.mono, manifest["tgt_lang"])
+    if a.shards > len(lines):
+        raise PrepError(f"--shards {a.shards}: more shards than the {len(lines)} non-empty mono lines")
+    lock = open_output_dir(a.out) if rank == 0 else None
+    if world > 1:
+        torch.distributed.barrier()
+    try:
+        from admin_ds.data.binarize import MANIFEST
+
+        if rank == 0:
+            (a.out / MANIFEST).unlink(missing_ok=True)
+        keys = run_shards(a, lines, model_id, rank, world)
+        if world > 1:
+            torch.distributed.barrier()
+        if rank == 0:
+            combine(a, manifest, sp, keys, mono_stats, model_id, t0)
+    finally:
+        if lock is not None:
+            lock.close()
+        if world > 1:
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    try:
+        return run(a)
+    except PrepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

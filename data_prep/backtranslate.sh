@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Back-translation: a reverse model translates target-language monolingual text; the synthetic
+# pairs are filtered, optionally tagged with <BT>, and combined with the bitext into a data dir.
+#     bash data_prep/backtranslate.sh --model REVERSE --mono FILE... --out DIR --bitext DATA_DIR [options]
+# Several ranks: torchrun --nproc_per_node K -m data_prep.backtranslate ... (PYTHONPATH=repo root).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-}"
+if [[ -z "$PYTHON" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export DATA_PREP_ARGV0="bash data_prep/backtranslate.sh"
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+exec "$PYTHON" -m data_prep.backtranslate "$@"
