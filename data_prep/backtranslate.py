@@ -227,7 +227,12 @@ def load_model(path: Path):
     from admin_ds.model_file import build_from_model_file, load_any
 
     mf = _MODEL_CACHE.get("mf") or load_any(path)
-    return build_from_model_file(mf, "cpu", torch.float32)
+    # One GPU per rank when there are GPUs (LOCAL_RANK from torchrun/deepspeed), else the CPU.
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
+    return build_from_model_file(mf, device, torch.float32)
 
 
 def model_identity(path: Path) -> dict:

@@ -11,5 +11,4 @@ if [[ -z "$PYTHON" ]]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export DATA_PREP_ARGV0="bash data_prep/backtranslate.sh"
-export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 exec "$PYTHON" -m data_prep.backtranslate "$@"
