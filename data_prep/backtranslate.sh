@@ -4,11 +4,6 @@
 #     bash data_prep/backtranslate.sh --model REVERSE --mono FILE... --out DIR --bitext DATA_DIR [options]
 # Several ranks: torchrun --nproc_per_node K -m data_prep.backtranslate ... (PYTHONPATH=repo root).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-}"
-if [[ -z "$PYTHON" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
 export DATA_PREP_ARGV0="bash data_prep/backtranslate.sh"
 exec "$PYTHON" -m data_prep.backtranslate "$@"

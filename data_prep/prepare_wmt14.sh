@@ -3,11 +3,6 @@
 #     bash data_prep/prepare_wmt14.sh {en-de|en-fr} OUT_DIR [options]     (--help for all options)
 # Uses the repository's .venv when there is one, else python3; needs no installation of admin_ds.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-}"
-if [[ -z "$PYTHON" ]]; then
-    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
-fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "${BASH_SOURCE[0]}")/python_env.sh"
 export DATA_PREP_ARGV0="bash data_prep/prepare_wmt14.sh"
 exec "$PYTHON" -m data_prep.prepare "$@"
