@@ -77,27 +77,6 @@ def _max_lens(model, src: torch.Tensor, max_len_a: float, max_len_b: int) -> tor
     return lens.clamp(min=0, max=model.cfg.max_positions - 1)
 
 
-def _cross_keys(model) -> set[int]:
-    """Keys of the encoder-attention caches in an IncrementalState (the attention modules' ids).
-    Their entries are identical for every beam of one sentence, so a beam reorder can skip them;
-    an unknown model gives an empty set and every cache is reordered (always correct)."""
-    return {id(layer.encoder_attn) for layer in getattr(model, "decoder_layers", [])
-            if hasattr(layer, "encoder_attn")}
-
-
-def _reorder(state: IncrementalState, self_order: Optional[torch.Tensor],
-             cross_order: Optional[torch.Tensor], cross_keys: set[int]) -> None:
-    """``state.reorder`` with two orders: self-attention caches follow ``self_order`` (the beams'
-    choice), encoder-attention caches ``cross_order`` (rows of the same sentence are equal, so it
-    only changes when the batch shrinks or grows); None skips."""
-    for key, cache in state.items():
-        order = cross_order if key in cross_keys else self_order
-        if order is None:
-            continue
-        for name in cache:
-            cache[name] = cache[name].index_select(0, order)
-
-
 def _lprobs(logits: torch.Tensor, step: int, force_eos: Optional[torch.Tensor], pad: int, eos: int,
             unk: int, unk_penalty: float, min_len: int, temperature: float = 1.0) -> torch.Tensor:
     """(N, V) logits -> float32 log-probs with fairseq's constraints: pad never, unk penalised,
@@ -141,8 +120,8 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
         return []
     max_lens = _max_lens(model, src, max_len_a, max_len_b)
     max_len, min_max_len = (int(v) for v in torch.stack([max_lens.max(), max_lens.min()]).tolist())
-    enc, src_pad = model.encode(src)
-    state = IncrementalState()
+    enc, src_pad = model.encode(src, skip_padding=True)
+    state = IncrementalState(capacity=max_len + 1)
     out = torch.full((B, max_len + 1), pad, dtype=torch.long, device=src.device)
     orig = torch.arange(B, device=src.device)
     cur = torch.full((B, 1), eos, dtype=torch.long, device=src.device)
@@ -161,6 +140,7 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
             min_max_len = int(max_lens.min())
             enc, src_pad = enc.index_select(0, keep), src_pad.index_select(0, keep)
             state.reorder(keep)
+            state.reorder_encoder(keep)
         cur = tok[:, None]
     hyps = []
     for row in out.tolist():
@@ -247,10 +227,11 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
         return []
     max_lens = _max_lens(model, src, max_len_a, max_len_b)  # per live sentence
     max_len, min_max_len = (int(v) for v in torch.stack([max_lens.max(), max_lens.min()]).tolist())
-    cross_keys = _cross_keys(model)
 
-    enc, src_pad = model.encode(src)  # B rows; expanded to B*K after the first step
-    state = IncrementalState()
+    # One encoder row per live sentence throughout: the K rows of a sentence's beams are adjacent
+    # and share its encoder output (see MultiheadAttention._encoder_attention_step).
+    enc, src_pad = model.encode(src, skip_padding=True)
+    state = IncrementalState(capacity=max_len + 1)
 
     # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
     # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.
@@ -323,19 +304,15 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
         sel_scores = cand_scores.gather(1, active)
         sel_tok = cand_tok.gather(1, active)
 
-        cross_order = None
-        keep_sent = None
         if any_done:  # finished sentences leave the batch
             keep_sent = (~done).nonzero().squeeze(1)
             sel_rows, sel_scores, sel_tok = sel_rows[keep_sent], sel_scores[keep_sent], sel_tok[keep_sent]
             orig, max_lens = orig[keep_sent], max_lens[keep_sent]
             min_max_len = int(max_lens.min())
-        if any_done or rows_per != K:  # the encoder side changes shape: one row per beam again
-            base = keep_sent if keep_sent is not None else torch.arange(bsz, device=dev)
-            cross_order = (base * rows_per).repeat_interleave(K)
-            enc, src_pad = enc.index_select(0, cross_order), src_pad.index_select(0, cross_order)
+            enc, src_pad = enc.index_select(0, keep_sent), src_pad.index_select(0, keep_sent)
+            state.reorder_encoder(keep_sent)
         sel_rows, sel_scores, sel_tok = sel_rows.reshape(-1), sel_scores.reshape(-1), sel_tok.reshape(-1)
-        _reorder(state, sel_rows, cross_order, cross_keys)
+        state.reorder(sel_rows)
         tokens = torch.cat([tokens.index_select(0, sel_rows), sel_tok[:, None]], dim=1)
         scores = torch.cat([scores.index_select(0, sel_rows), sel_scores[:, None]], dim=1)
         rows_per = K

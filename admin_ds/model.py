@@ -24,6 +24,8 @@ from torch import nn
 from admin_ds.config import ModelConfig
 from admin_ds.residual import Residual
 
+NEG_INF = -math.inf
+
 # --------------------------------------------------------------------------------------------
 # Embeddings
 # --------------------------------------------------------------------------------------------
@@ -86,21 +88,92 @@ class TokenEmbedding(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
-class IncrementalState(dict):
-    """Cached keys/values for step-by-step decoding, keyed by attention module.
+class IncrementalState:
+    """Cached keys/values for step-by-step decoding, one entry per attention module.
 
-    Self-attention appends one position per step; encoder-attention keys/values are computed once
-    from the encoder output. ``reorder`` follows beam search's choice of surviving hypotheses.
+    Self-attention keys/values live in preallocated buffers (rows, H, capacity, Dh): a step writes
+    its position in place and attends to the filled prefix, so no step copies the past. The
+    capacity starts at ``min(capacity, 64)`` positions and doubles when full (a hint of the final
+    length, never a limit). Encoder-attention keys/values are computed once, with one row per
+    *sentence*: beam search keeps the ``rows / sentences`` hypotheses of a sentence in adjacent
+    rows, and they all attend to the same copy.
+
+    ``reorder`` follows the search's choice of hypotheses (self-attention caches);
+    ``reorder_encoder`` follows a change of the sentences in the batch (encoder-attention caches).
+    Decoding is inference: gradients do not flow through a reorder.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, capacity: int = 64) -> None:
         self.length = 0  # target positions already decoded
+        self.capacity = max(1, int(capacity))
+        self._self: dict[int, list[torch.Tensor]] = {}  # id(module) -> [k, v, spare k, spare v]
+        self._encoder: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def append(self, key: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions k, v (rows, H, T, Dh) after ``self.length`` cached ones; returns
+        views of all keys and values so far, (rows, H, length + T, Dh)."""
+        start, end = self.length, self.length + k.size(2)
+        bufs = self._self.get(key)
+        if bufs is None or end > bufs[0].size(2):
+            cap = max(end, min(self.capacity, 64)) if bufs is None else max(end, 2 * bufs[0].size(2))
+            grown = [k.new_empty(k.size(0), k.size(1), cap, k.size(3)) for _ in range(2)]
+            if bufs is not None:
+                grown[0][:, :, :start] = bufs[0][:, :, :start]
+                grown[1][:, :, :start] = bufs[1][:, :, :start]
+            bufs = self._self[key] = grown + [None, None]
+        bufs[0][:, :, start:end] = k
+        bufs[1][:, :, start:end] = v
+        return bufs[0][:, :, :end], bufs[1][:, :, :end]
+
+    def encoder_kv(self, key: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return self._encoder.get(key)
+
+    def set_encoder_kv(self, key: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._encoder[key] = (k, v)
 
     def reorder(self, order: torch.Tensor) -> None:
-        for cache in self.values():
-            for name in cache:
-                cache[name] = cache[name].index_select(0, order)
+        """Row i of every self-attention cache becomes row ``order[i]``; only the filled prefix is
+        copied, into the spare buffer when the row count stays (no allocation)."""
+        n = self.length
+        with torch.no_grad():
+            self._reorder_self(order, n)
+
+    def _reorder_self(self, order: torch.Tensor, n: int) -> None:
+        for bufs in self._self.values():
+            for i in (0, 1):
+                cur = bufs[i]
+                if order.numel() == cur.size(0):
+                    if bufs[2 + i] is None:
+                        bufs[2 + i] = torch.empty_like(cur)
+                    out = bufs[2 + i]
+                    torch.index_select(cur[:, :, :n], 0, order, out=out[:, :, :n])
+                    bufs[i], bufs[2 + i] = out, cur
+                else:  # the batch grows (first beam step) or shrinks (finished sentences)
+                    out = cur.new_empty(order.numel(), *cur.shape[1:])
+                    torch.index_select(cur[:, :, :n], 0, order, out=out[:, :, :n])
+                    bufs[i], bufs[2 + i] = out, None
+
+    def reorder_encoder(self, order: torch.Tensor) -> None:
+        """Row i of every encoder-attention cache becomes row ``order[i]`` (a sentence index)."""
+        for key, (k, v) in self._encoder.items():
+            self._encoder[key] = (k.index_select(0, order), v.index_select(0, order))
+
+
+class Unpadded:
+    """The real tokens of a padded (B, S) batch, flattened to (N, D) rows: position-wise work (the
+    linear layers, LayerNorm, residuals) runs on N rows instead of B * S; attention scatters back
+    into the padded layout. An inference path: a batch of mixed lengths skips its padding."""
+
+    def __init__(self, pad_mask: torch.Tensor) -> None:
+        self.batch, self.length = pad_mask.shape
+        self.index = (~pad_mask).reshape(-1).nonzero().squeeze(1)  # (N,) into the flattened B * S
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, ...) -> (N, ...)
+        return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.index)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (B, S, ...), zeros at padding
+        out = x.new_zeros(self.batch * self.length, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])
 
 
 class MultiheadAttention(nn.Module):
@@ -117,6 +190,8 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(d, d)
         self.v_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
+        # Decoding may install one product for Q, K and V of a self-attention step (inference.py).
+        self.qkv_proj: Optional[nn.Module] = None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D) -> (B, H, L, Dh)
         b, l, d = x.shape
@@ -124,33 +199,77 @@ class MultiheadAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, memory: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None, causal: bool = False,
-                state: Optional[IncrementalState] = None) -> torch.Tensor:
+                state: Optional[IncrementalState] = None,
+                unpadded: Optional[Unpadded] = None) -> torch.Tensor:
         """query (B, T, D); memory (B, S, D) for encoder-attention, None for self-attention;
         key_padding_mask (B, S) bool, True at padding. With ``state``, ``query`` holds only the
-        newest target position(s) and keys/values come from (and go to) the cache."""
-        q = self._heads(self.q_proj(query))
-        cache = None if state is None else state.setdefault(id(self), {})
-        if memory is not None and cache is not None and "k" in cache:
-            k, v = cache["k"], cache["v"]  # encoder-attention: computed at the first step
-        else:
+        newest target position(s) and keys/values come from (and go to) the cache. With
+        ``unpadded`` (self-attention only), ``query`` is (N, D): the real tokens of the batch."""
+        if state is None:
             src = query if memory is None else memory
-            k, v = self._heads(self.k_proj(src)), self._heads(self.v_proj(src))
-            if cache is not None:
-                if memory is None and "k" in cache:
-                    k = torch.cat([cache["k"], k], dim=2)
-                    v = torch.cat([cache["v"], v], dim=2)
-                cache["k"], cache["v"] = k, v
+            q, k, v = (proj(x) for proj, x in ((self.q_proj, query), (self.k_proj, src), (self.v_proj, src)))
+            if unpadded is not None:
+                q, k, v = unpadded.pad(q), unpadded.pad(k), unpadded.pad(v)
+            mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+            out = F.scaled_dot_product_attention(
+                self._heads(q), self._heads(k), self._heads(v), attn_mask=mask, is_causal=causal,
+                dropout_p=self.dropout_p if self.training else 0.0)
+            b, h, t, dh = out.shape
+            out = out.transpose(1, 2).reshape(b, t, h * dh)
+            return self.out_proj(out if unpadded is None else unpadded.unpad(out))
+        if memory is None:
+            return self._self_attention_step(query, state)
+        return self._encoder_attention_step(query, memory, key_padding_mask, state)
 
-        mask = None
-        if key_padding_mask is not None:
-            mask = ~key_padding_mask[:, None, None, :]  # (B, 1, 1, S), True = attend
-        # In a step the single new query may see every cached key, so causality needs no mask.
-        is_causal = causal and state is None
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal,
-            dropout_p=self.dropout_p if self.training else 0.0)
-        b, h, t, dh = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, h * dh))
+    def _self_attention_step(self, query: torch.Tensor, state: IncrementalState) -> torch.Tensor:
+        rows, t, d = query.shape
+        if self.qkv_proj is not None:
+            q, k_new, v_new = (self._heads(x) for x in self.qkv_proj(query).split(d, dim=-1))
+        else:
+            q, k_new, v_new = (self._heads(proj(query)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        k, v = state.append(id(self), k_new, v_new)  # (rows, H, length + t, Dh)
+        hidden = None
+        if t > 1:  # several new positions: each sees the cache and the new ones up to itself
+            pos = torch.arange(k.size(2), device=query.device)
+            hidden = pos[None, :] > pos[-t:, None]
+        out = self._attend(q, k.transpose(-1, -2), v, hidden)
+        return self.out_proj(out.transpose(1, 2).reshape(rows, t, d))
+
+    def _encoder_attention_step(self, query: torch.Tensor, memory: torch.Tensor,
+                                key_padding_mask: Optional[torch.Tensor],
+                                state: IncrementalState) -> torch.Tensor:
+        cached = state.encoder_kv(id(self))
+        if cached is None:  # contiguous, so every step's products read them in place
+            if key_padding_mask is not None and bool(key_padding_mask.any()):
+                real = Unpadded(key_padding_mask)  # padding keys are masked: skip their products
+                k, v = (real.pad(proj(real.unpad(memory))) for proj in (self.k_proj, self.v_proj))
+            else:
+                k, v = self.k_proj(memory), self.v_proj(memory)
+            # Keys stored transposed: a batched product with contiguous (Dh, S) matrices is ~2x
+            # faster than one that reads (S, Dh) matrices transposed.
+            cached = self._heads(k).transpose(2, 3).contiguous(), self._heads(v).contiguous()
+            state.set_encoder_kv(id(self), *cached)
+        k_t, v = cached  # (B, H, Dh, S) and (B, H, S, Dh), one row per sentence
+        rows, t, d = query.shape
+        b = k_t.size(0)
+        # The rows of one sentence (its beams) are adjacent: they become query positions of that
+        # sentence, so its keys and values are read once, not once per beam.
+        q = self._heads(self.q_proj(query).view(b, rows // b * t, d))
+        hidden = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        out = self._attend(q, k_t, v, hidden)
+        return self.out_proj(out.transpose(1, 2).reshape(rows, t, d))
+
+    def _attend(self, q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor,
+                hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        """softmax(q k^T / sqrt(Dh)) v for decoding steps (``k_t`` = k^T), where few queries meet
+        cached keys that are views into larger buffers (explicit products beat the fused kernel on
+        those shapes)."""
+        scores = torch.matmul(q, k_t).mul_(q.size(-1) ** -0.5)  # in place: one allocation fewer
+        if hidden is not None:  # True where a query must not look (padding, future positions)
+            scores.masked_fill_(hidden, NEG_INF)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)  # bf16/fp16: fp32 softmax
+        probs = F.dropout(probs, self.dropout_p, self.training)
+        return torch.matmul(probs, v)
 
 
 class FeedForward(nn.Module):
@@ -202,8 +321,10 @@ class EncoderLayer(_SubLayers):
         self.final_layer_norm = scheme.make_norm(d)
         self.ffn_residual = scheme.make_residual(d, "encoder", base + 2)
 
-    def forward(self, x: torch.Tensor, src_pad: Optional[torch.Tensor]) -> torch.Tensor:
-        x = self.sublayer(x, lambda h: self.self_attn(h, key_padding_mask=src_pad),
+    def forward(self, x: torch.Tensor, src_pad: Optional[torch.Tensor],
+                unpadded: Optional[Unpadded] = None) -> torch.Tensor:
+        """x (B, S, D), or (N, D) real tokens only with ``unpadded``."""
+        x = self.sublayer(x, lambda h: self.self_attn(h, key_padding_mask=src_pad, unpadded=unpadded),
                           self.self_attn_layer_norm, self.self_attn_residual)
         return self.sublayer(x, self.ffn, self.final_layer_norm, self.ffn_residual)
 
@@ -273,18 +394,25 @@ class EncoderDecoder(nn.Module):
     def target_embedding(self) -> TokenEmbedding:
         return self.src_embed if self.tgt_embed is None else self.tgt_embed
 
-    def encode(self, src_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, S) -> encoder output (B, S, D) and the padding mask (B, S), True at padding."""
+    def encode(self, src_tokens: torch.Tensor, skip_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, S) -> encoder output (B, S, D) and the padding mask (B, S), True at padding.
+
+        ``skip_padding`` (decoding): position-wise layers run on the real tokens only, and the
+        output is zero at padding (which attention never reads) instead of the values the padded
+        computation leaves there. Real positions are the same either way."""
         src_pad = src_tokens.eq(self.pad_idx)
         x = self.src_embed(src_tokens)
         if self.cfg.embedding_output_scale:
             x = x * self.src_embed_scale
         x = F.dropout(x, self.cfg.dropout_p, self.training)
+        unpadded = Unpadded(src_pad) if skip_padding and bool(src_pad.any()) else None
+        if unpadded is not None:
+            x = unpadded.unpad(x)
         for layer in self.encoder_layers:
-            x = layer(x, src_pad)
+            x = layer(x, src_pad, unpadded)
         if self.encoder_layer_norm is not None:
             x = self.encoder_layer_norm(x)
-        return x, src_pad
+        return (x if unpadded is None else unpadded.pad(x)), src_pad
 
     def decode(self, tgt_in_tokens: torch.Tensor, enc: torch.Tensor, src_pad: torch.Tensor,
                state: Optional[IncrementalState] = None) -> torch.Tensor:

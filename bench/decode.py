@@ -65,10 +65,12 @@ def hardware() -> str:
 
 
 def build(args, tmp: Path):
-    """(our model, subword model, src batch, Marian dir, CTranslate2 dir) with shared weights."""
+    """(our model as translate.py prepares it, the same without packed weights, subword model, src
+    batch, Marian dir, CTranslate2 dir), all with the same weights."""
     import torch
 
     from admin_ds.config import ModelConfig
+    from admin_ds.inference import optimize_for_decoding
     from admin_ds.model import build_model
     from admin_ds.model_file import ModelFile, build_from_model_file
     from admin_ds.presets import get_preset
@@ -88,17 +90,18 @@ def build(args, tmp: Path):
     export.export_hf_marian(mf, tmp / "hf")
     export.convert_ct2(tmp / "hf", tmp / "ct2")
     model, subword = build_from_model_file(mf)
+    plain, _ = build_from_model_file(mf)  # the same weights, decoded with F.linear
 
     lines = (DATA / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:args.batch]
     ids = [x + [cfg.eos_idx] for x in subword.encode(lines)]
     src = torch.full((len(ids), max(map(len, ids))), cfg.pad_idx, dtype=torch.long)
     for i, x in enumerate(ids):
         src[i, :len(x)] = torch.tensor(x)
-    return model, subword, src, tmp / "hf", tmp / "ct2"
+    return optimize_for_decoding(model), plain.eval(), subword, src, tmp / "hf", tmp / "ct2"
 
 
-def decoders(args, threads, model, subword, src, hf_dir, ct2_dir):
-    """{(engine, beam): run() -> decoder steps per sentence (output tokens, the final EOS included)}."""
+def decoders(args, threads, model, plain, subword, src, hf_dir, ct2_dir):
+    """{(engine, beam): run() -> output token ids per sentence (the final EOS included)}."""
     import ctranslate2
     import torch
     from transformers import MarianMTModel
@@ -112,31 +115,35 @@ def decoders(args, threads, model, subword, src, hf_dir, ct2_dir):
     pieces = [[subword.piece(i) for i in row if i != model.cfg.pad_idx] for row in src.tolist()]
     mask = src.ne(model.cfg.pad_idx)
 
-    def ours(beam):
+    eos, pad = model.cfg.eos_idx, model.cfg.pad_idx
+
+    def ours(m, beam):
         if beam == 1:
-            return [len(h) + 1 for h in greedy(model, src, max_len_a=0, max_len_b=L, min_len=L)]
-        return [len(h[0].tokens) + 1 for h in beam_search(model, src, beam=beam, max_len_a=0, max_len_b=L, min_len=L)]
+            return [h + [eos] for h in greedy(m, src, max_len_a=0, max_len_b=L, min_len=L)]
+        return [h[0].tokens + [eos] for h in beam_search(m, src, beam=beam, max_len_a=0, max_len_b=L, min_len=L)]
 
     def transformers_(beam):
         with torch.inference_mode():
             out = hf.generate(input_ids=src, attention_mask=mask, num_beams=beam, do_sample=False,
                               min_new_tokens=L + 1, max_new_tokens=L + 1)
-        return [len(row) - 1 - row.count(model.cfg.pad_idx) for row in out.tolist()]  # minus the start token
+        return [[t for t in row[1:] if t != pad] for row in out.tolist()]  # minus the start token
 
     def ctranslate2_(beam):
         res = ct2.translate_batch(pieces, beam_size=beam, min_decoding_length=L + 1,
                                   max_decoding_length=L + 1, return_end_token=True)
-        return [len(r.hypotheses[0]) for r in res]  # L + 1 tokens, the last one EOS or not
+        return [[subword.id_of(p) for p in r.hypotheses[0]] for r in res]
 
-    return {(name, beam): (lambda fn=fn, beam=beam: fn(beam))
-            for name, fn in (("admin_ds", ours), ("transformers", transformers_), ("ctranslate2", ctranslate2_))
-            for beam in (1, K)}
+    engines = (("admin_ds", lambda beam: ours(model, beam)), ("admin_ds_plain", lambda beam: ours(plain, beam)),
+               ("transformers", transformers_), ("ctranslate2", ctranslate2_))
+    return {(name, beam): (lambda fn=fn, beam=beam: fn(beam)) for name, fn in engines for beam in (1, K)}
 
 
 # torch.profiler operator names -> what they are in a decoder step
 _CATEGORIES = [
-    ("matrix products (Linear, output projection)", ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul")),
-    ("attention kernel", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_softmax", "aten::baddbmm")),
+    ("matrix products (Linear, output projection)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")),
+    ("attention products (queries against cached keys and values)", ("aten::bmm",)),
+    ("attention kernel (fused; softmax)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_softmax",
+                                          "aten::baddbmm")),
     ("LayerNorm", ("aten::native_layer_norm",)),
     ("KV cache growth and beam reorder (cat, index_select, copies)", ("aten::cat", "aten::index_select", "aten::copy_",
                                                                       "aten::index", "aten::gather")),
@@ -158,11 +165,14 @@ def profile_search(fn) -> tuple[str, dict]:
     return events.table(sort_by="self_cpu_time_total", row_limit=12), shares
 
 
-def measure(args, runs, src) -> dict:
-    """{(engine, beam): [seconds per round]}: a warm-up (which checks the forced length), then
-    --repeats rounds, interleaved so that a busy moment of the machine hits every decoder alike."""
+def measure(args, runs, src) -> tuple[dict, dict]:
+    """({(engine, beam): [seconds per round]}, {(engine, beam): outputs}): a warm-up (which checks
+    the forced length), then --repeats rounds, interleaved so that a busy moment of the machine hits
+    every decoder alike."""
+    outputs = {}
     for key, run in runs.items():
-        steps = run()
+        outputs[key] = run()
+        steps = [len(h) for h in outputs[key]]
         if steps != [args.length + 1] * src.size(0):
             raise RuntimeError(f"{key}: decoder steps {steps}, expected {args.length + 1} each")
     times = {key: [] for key in runs}
@@ -171,17 +181,35 @@ def measure(args, runs, src) -> dict:
             t0 = time.perf_counter()
             run()
             times[key].append(time.perf_counter() - t0)
-    return times
+    return times, outputs
+
+
+ENGINES = ("admin_ds", "admin_ds_plain", "transformers", "ctranslate2")
 
 
 def table(args, times: dict, tokens: int, threads: int) -> list[str]:
-    engines = ("admin_ds", "transformers", "ctranslate2")
     rows = []
     for beam in (1, args.beam):
-        tps = [tokens / min(times[(e, beam)]) for e in engines]
-        medians = " / ".join(f"{statistics.median(times[(e, beam)]):.2f}" for e in engines)
-        rows.append(f"| {threads} | {'greedy' if beam == 1 else f'beam {beam}'} | {tps[0]:,.0f} | {tps[1]:,.0f} | "
-                    f"{tps[2]:,.0f} | **{tps[0] / tps[1]:.2f}x** | {tps[0] / tps[2]:.2f}x | {medians} |")
+        ours, plain, hf, ct2 = (tokens / min(times[(e, beam)]) for e in ENGINES)
+        medians = " / ".join(f"{statistics.median(times[(e, beam)]):.2f}" for e in ENGINES)
+        rows.append(f"| {threads} | {'greedy' if beam == 1 else f'beam {beam}'} | {ours:,.0f} | {plain:,.0f} | "
+                    f"{hf:,.0f} | {ct2:,.0f} | **{ours / hf:.2f}x** | {ours / ct2:.2f}x | {plain / hf:.2f}x | "
+                    f"{medians} |")
+    return rows
+
+
+def agreement(args, outputs: dict) -> list[str]:
+    """How many sentences each decoder outputs exactly as admin_ds does, over the forced L tokens
+    (same weights; float32 rounding in another summation order may flip a near-tie of the random
+    model)."""
+    rows = []
+    for beam in (1, args.beam):
+        ref = outputs[("admin_ds", beam)]
+        # The first L tokens: CTranslate2 stops at L + 1 tokens without forcing the last to be EOS.
+        same = [sum(a[:args.length] == b[:args.length] for a, b in zip(ref, outputs[(e, beam)]))
+                for e in ENGINES[1:]]
+        rows.append(f"| {'greedy' if beam == 1 else f'beam {beam}'} | " +
+                    " | ".join(f"{n}/{len(ref)}" for n in same) + " |")
     return rows
 
 
@@ -196,15 +224,17 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()  # generate's notes on max_length vs max_new_tokens
     load_before = os.getloadavg()
-    rows, profiles = [], {}
+    rows, profiles, agree = [], {}, []
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:
         torch.set_num_threads(args.threads[0])
-        model, subword, src, hf_dir, ct2_dir = build(args, Path(tmp))
+        model, plain, subword, src, hf_dir, ct2_dir = build(args, Path(tmp))
         tokens = src.size(0) * (args.length + 1)
         for threads in args.threads:
             torch.set_num_threads(threads)
-            runs = decoders(args, threads, model, subword, src, hf_dir, ct2_dir)
-            rows += table(args, measure(args, runs, src), tokens, threads)
+            runs = decoders(args, threads, model, plain, subword, src, hf_dir, ct2_dir)
+            times, outputs = measure(args, runs, src)
+            rows += table(args, times, tokens, threads)
+            agree = agree or agreement(args, outputs)
             if args.profile and not profiles:
                 profiles = {e: profile_search(runs[(e, args.beam)]) for e in ("admin_ds", "transformers")}
     load_after = os.getloadavg()
@@ -229,10 +259,20 @@ def main(argv=None) -> int:
         f"decoder forced to {args.length} tokens + EOS per sentence; target tokens/s (encoding included), "
         f"best of {args.repeats} interleaved rounds",
         "",
-        "| threads | search | admin_ds tok/s | transformers tok/s | CTranslate2 tok/s | admin_ds / transformers "
-        "| admin_ds / CTranslate2 | median s (ours / HF / CT2) |",
-        "|---:|---|---:|---:|---:|---:|---:|---|",
+        "admin_ds decodes as launch/translate.py does (weights packed for oneDNN by "
+        "admin_ds/inference.py); admin_ds_plain is the same model with F.linear (translate.py --plain-linear).",
+        "",
+        "| threads | search | admin_ds tok/s | admin_ds_plain tok/s | transformers tok/s | CTranslate2 tok/s "
+        "| admin_ds / transformers | admin_ds / CTranslate2 | admin_ds_plain / transformers "
+        "| median s (ours / plain / HF / CT2) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
         *rows,
+        "",
+        "Outputs identical to admin_ds's, sentence by sentence (first thread count):",
+        "",
+        "| search | admin_ds_plain | transformers | CTranslate2 |",
+        "|---|---:|---:|---:|",
+        *agree,
         "",
     ])
     if profiles:

@@ -224,6 +224,7 @@ _MODEL_CACHE: dict = {}
 def load_model(path: Path):
     import torch
 
+    from admin_ds.inference import optimize_for_decoding
     from admin_ds.model_file import build_from_model_file, load_any
 
     mf = _MODEL_CACHE.get("mf") or load_any(path)
@@ -232,7 +233,8 @@ def load_model(path: Path):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     else:
         device = torch.device("cpu")
-    return build_from_model_file(mf, device, torch.float32)
+    model, subword = build_from_model_file(mf, device, torch.float32)
+    return optimize_for_decoding(model), subword  # oneDNN packed weights on a CPU, else unchanged
 
 
 def model_identity(path: Path) -> dict:

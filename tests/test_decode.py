@@ -405,3 +405,85 @@ def test_output_independent_of_batch_padding(copy_models):
         for x, y in zip(b_alone, b_batch[i]):
             assert x.score == pytest.approx(y.score, abs=1e-5)
     assert isinstance(b_batch[0][0], Hypothesis)
+
+
+# ---- 8. the CPU inference rewrite (admin_ds/inference.py) ----------------------------------------
+
+
+def packed_copy(model):
+    from admin_ds.inference import optimize_for_decoding
+
+    return optimize_for_decoding(copy.deepcopy(model))
+
+
+def count_packed(model):
+    from admin_ds.inference import PackedLinear
+
+    return sum(isinstance(m, PackedLinear) for m in model.modules())
+
+
+needs_onednn = pytest.mark.skipif(
+    not __import__("admin_ds.inference", fromlist=["x"]).packed_linear_available(),
+    reason="this PyTorch build has no oneDNN linear ops (the rewrite is then a no-op)")
+
+
+@needs_onednn
+@pytest.mark.parametrize("kw", [dict(init="admin"), dict(activation="gelu", init="default"),
+                                dict(share_all_embeddings=False, share_decoder_input_output_embed=False,
+                                     norm_order="pre", init="default")])
+def test_packed_model_computes_what_the_plain_model_computes(kw):
+    """Every Linear packed (FFN activation fused, Q/K/V of a decoder step in one product, the tied
+    output projection too): full-forward logits and step-by-step logits equal the plain model's
+    to float32 rounding, and the rewritten model's own step-by-step path equals its full forward."""
+    from admin_ds.profiling import profile_omega
+
+    torch.manual_seed(0)
+    plain = build_model(get_preset("debug-tiny", vocab_size=1000, **NO_DROPOUT, **kw)).eval()
+    src, _ = sources(1, 6)
+    tgt = torch.cat([torch.full((6, 1), EOS), torch.randint(4, 1000, (6, 5))], dim=1)
+    if kw["init"] == "admin":
+        profile_omega(plain, (src, tgt), seed=0)
+    packed = packed_copy(plain)
+    layers = plain.cfg.num_encoder_layers + plain.cfg.num_decoder_layers
+    expected = 6 * plain.cfg.num_encoder_layers + 11 * plain.cfg.num_decoder_layers + 1  # + output projection
+    assert count_packed(packed) == expected and count_packed(plain) == 0 and layers > 0
+    with torch.no_grad():
+        want = plain(src, tgt)
+        scale = want.abs().max()
+        assert (packed(src, tgt) - want).abs().max() <= 1e-5 * scale
+        enc, src_pad = packed.encode(src, skip_padding=True)
+        from admin_ds.model import IncrementalState
+
+        state = IncrementalState()
+        steps = torch.cat([packed.decode(tgt[:, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
+        assert (steps - want).abs().max() <= 1e-5 * scale
+
+
+@needs_onednn
+def test_packed_model_translates_like_the_plain_model(copy_models):
+    """Greedy, beam (n-best with scores) and translate on the half-trained copy model (hypotheses
+    of varied lengths and uncertain tokens): the same outputs with and without packed weights."""
+    plain = copy_models.half
+    packed = packed_copy(plain)
+    assert count_packed(packed) > 0
+    src, _ = sources(11, 24)
+    kw = dict(max_len_a=1.0, max_len_b=3)
+    assert greedy(packed, src, **kw) == greedy(plain, src, **kw)
+    got = beam_search(packed, src, beam=4, nbest=4, lenpen=0.6, **kw)
+    want = beam_search(plain, src, beam=4, nbest=4, lenpen=0.6, **kw)
+    assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in want]
+    for hs, ws in zip(got, want):
+        for h, w in zip(hs, ws):
+            assert h.score == pytest.approx(w.score, abs=1e-5)
+    tok = IntTokenizer()
+    lines = [" ".join(map(str, s[:-1])) for s in sources(12, 30)[1]]
+    assert translate(packed, tok, lines, max_tokens=40, **kw) == translate(plain, tok, lines, max_tokens=40, **kw)
+
+
+def test_inference_rewrite_leaves_other_models_alone(copy_models, monkeypatch):
+    """bf16 (or a GPU) and ADMIN_DS_PACKED_LINEAR=0 keep the plain model; the model is in eval mode."""
+    bf16 = copy.deepcopy(copy_models.full).to(torch.bfloat16).train()
+    out = packed_copy(bf16)
+    assert count_packed(out) == 0 and not out.training
+    monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", "0")
+    assert count_packed(packed_copy(copy_models.full)) == 0

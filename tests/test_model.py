@@ -13,6 +13,7 @@ from admin_ds.presets import PRESET_NAMES, get_preset, parameter_count
 from admin_ds.profiling import Profile, profile_omega
 
 PAD, EOS = 1, 2
+NO_DROPOUT = dict(dropout_p=0.0, attention_dropout_p=0.0, activation_dropout_p=0.0)
 
 
 def tiny(**kw):
@@ -222,8 +223,55 @@ def test_incremental_decoding_equals_full_forward(norm_order, init):
     for t in range(3):
         model.decode(tgt[:, t:t + 1], enc, src_pad, state)
     state.reorder(order)
+    state.reorder_encoder(order)  # here every row is its own sentence
     step = model.decode(tgt[order, 3:4], enc[order], src_pad[order], state)
     assert torch.allclose(step, model(src[order], tgt[order, :4])[:, 3:4], atol=1e-5)
+
+
+def test_incremental_state_grows_and_takes_several_positions_per_step():
+    """A capacity of 1 forces the cache to grow (1 -> 2 -> 4 -> 8); steps of 3, 1 and 3 new
+    positions (causal within the step) still equal the full forward; a reorder that drops rows
+    (finished sentences) keeps the survivors' caches."""
+    model = seeded_model(tiny(init="admin", **NO_DROPOUT)).eval()
+    src, tgt = batch(pad_tgt=False)
+    full = model(src, tgt)
+    with torch.no_grad():
+        enc, src_pad = model.encode(src)
+        state = IncrementalState(capacity=1)
+        chunks = [model.decode(tgt[:, a:b], enc, src_pad, state) for a, b in ((0, 3), (3, 4), (4, 7))]
+        assert torch.allclose(torch.cat(chunks, dim=1), full, atol=1e-5)
+        assert state.length == 7
+
+        keep = torch.tensor([3, 1])
+        state = IncrementalState(capacity=2)
+        for t in range(4):
+            model.decode(tgt[:, t:t + 1], enc, src_pad, state)
+        state.reorder(keep)
+        state.reorder_encoder(keep)
+        step = model.decode(tgt[keep, 4:5], enc[keep], src_pad[keep], state)
+    assert torch.allclose(step, full[keep, 4:5], atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_order,init", [("post", "admin"), ("pre", "default"), ("post", "t-fixup"),
+                                             ("post", "deepnorm")])
+def test_encoder_skipping_padding_equals_padded_encoder(norm_order, init):
+    """encode(skip_padding=True) runs position-wise layers on real tokens only: the same encoder
+    output at real positions, zeros at padding; decoding from either gives the same logits."""
+    model = seeded_model(tiny(norm_order=norm_order, init=init, **NO_DROPOUT)).eval()
+    if init == "admin":
+        profile_omega(model, batch(), seed=0)
+    src, tgt = batch(b=5, s=11)
+    src[2, 4:] = PAD
+    src[4, 9:] = PAD
+    with torch.no_grad():
+        enc, pad = model.encode(src)
+        skip, pad2 = model.encode(src, skip_padding=True)
+        assert torch.equal(pad, pad2)
+        assert torch.allclose(skip[~pad], enc[~pad], atol=1e-5)
+        assert skip[pad].abs().max() == 0
+        assert torch.allclose(model.decode(tgt, skip, pad), model.decode(tgt, enc, pad), atol=1e-5)
+        no_pad = src[:, :4]  # no padding at all: the ordinary path
+        assert torch.equal(model.encode(no_pad, skip_padding=True)[0], model.encode(no_pad)[0])
 
 
 def test_future_target_tokens_do_not_change_earlier_logits():
