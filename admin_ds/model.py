@@ -135,23 +135,16 @@ class IncrementalState:
         """Row i of every self-attention cache becomes row ``order[i]``; only the filled prefix is
         copied, into the spare buffer when the row count stays (no allocation)."""
         n = self.length
-        with torch.no_grad():
-            self._reorder_self(order, n)
-
-    def _reorder_self(self, order: torch.Tensor, n: int) -> None:
         for bufs in self._self.values():
             for i in (0, 1):
-                cur = bufs[i]
-                if order.numel() == cur.size(0):
-                    if bufs[2 + i] is None:
-                        bufs[2 + i] = torch.empty_like(cur)
-                    out = bufs[2 + i]
-                    torch.index_select(cur[:, :, :n], 0, order, out=out[:, :, :n])
-                    bufs[i], bufs[2 + i] = out, cur
-                else:  # the batch grows (first beam step) or shrinks (finished sentences)
-                    out = cur.new_empty(order.numel(), *cur.shape[1:])
-                    torch.index_select(cur[:, :, :n], 0, order, out=out[:, :, :n])
-                    bufs[i], bufs[2 + i] = out, None
+                cur, spare = bufs[i], bufs[2 + i]
+                if order.numel() != cur.size(0):  # the batch grows (first beam step) or shrinks
+                    spare = cur.new_empty(order.numel(), *cur.shape[1:])
+                elif spare is None:
+                    spare = torch.empty_like(cur)
+                with torch.no_grad():
+                    torch.index_select(cur[:, :, :n], 0, order, out=spare[:, :, :n])
+                bufs[i], bufs[2 + i] = spare, (cur if order.numel() == cur.size(0) else None)
 
     def reorder_encoder(self, order: torch.Tensor) -> None:
         """Row i of every encoder-attention cache becomes row ``order[i]`` (a sentence index)."""
@@ -252,6 +245,9 @@ class MultiheadAttention(nn.Module):
         k_t, v = cached  # (B, H, Dh, S) and (B, H, S, Dh), one row per sentence
         rows, t, d = query.shape
         b = k_t.size(0)
+        if rows % b:
+            raise ValueError(f"encoder-attention step: {rows} decoder rows for {b} encoder rows; each "
+                             f"sentence needs the same number of adjacent rows (its beams)")
         # The rows of one sentence (its beams) are adjacent: they become query positions of that
         # sentence, so its keys and values are read once, not once per beam.
         q = self._heads(self.q_proj(query).view(b, rows // b * t, d))
