@@ -17,6 +17,7 @@ intermediate files keep the later steps valid even when an earlier step was re-r
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -129,11 +130,7 @@ def ordered_map(func: Callable, chunks: Iterable, workers: int, initializer: Cal
 
 
 def chunked(items: Iterable, n: int) -> Iterator[list]:
-    buf: list = []
-    for item in items:
-        buf.append(item)
-        if len(buf) == n:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
+    """Lists of n consecutive items, the last one shorter (itertools.batched from Python 3.12)."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, n)):
+        yield chunk

@@ -3,7 +3,8 @@ filters and their counts, determinism, kill-and-resume, and each bad input's mes
 
 Most runs call ``data_prep.prepare.main`` in this process (no interpreter start-up or torch
 import per run); the wrapper script, the kill test and the offline-hub test start subprocesses.
-Tests that read the shared data skip when ../shared/data is absent.
+Tests that read the shared data skip when ../shared/data is absent and fail when a file in it is
+missing (tests/shared_data.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_data import DATA, needs_data
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 WMT_ENDE = DATA / "wmt14" / "en-de"
 NC = DATA / "newscommentary-enfr-5k"
 MULTI30K = DATA / "multi30k"
@@ -32,7 +33,6 @@ from data_prep.clean import (DigestSet, PunctNormalizer, decode_side, length_fil
                              remove_non_printing)
 from data_prep.prepare import main  # noqa: E402
 
-needs_data = pytest.mark.skipif(not WMT_ENDE.is_dir(), reason=f"shared test data not found at {DATA}")
 
 # newstest2013 as training text, a small vocabulary: the reference run most tests compare with.
 ENDE_ARGS = ["--raw-dir", str(WMT_ENDE), "--train-prefix", "newstest2013", "--vocab-size", "1000",

@@ -9,8 +9,9 @@ The numbers are checked against tools the field actually reports with, not again
   by real ``perl -pe 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'`` (fairseq's compound_split_bleu.sh);
 * the compound split itself against that perl one-liner on real hyphenated lines.
 
-Real text comes from ``../shared/data`` beside the repository; tests that need it skip when it
-is absent (e.g. in a user's clone), the others always run.
+Real text comes from ``../shared/data`` beside the repository; tests that need it skip when that
+directory is absent (e.g. in a user's clone) and fail when a file in it is missing
+(tests/shared_data.py); the others always run.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import pytest
 from sacremoses import MosesTokenizer
+from shared_data import data_file
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "data"
 CLI = REPO / "launch" / "evaluate.py"
 
 sys.path.insert(0, str(REPO))
@@ -58,13 +59,6 @@ N_SEGMENTS = 1000
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-
-
-def data_file(relative: str) -> Path:
-    path = DATA / relative
-    if not path.is_file():
-        pytest.skip(f"real test data not available: {path} (../shared/data beside the repo)")
-    return path
 
 
 def require_perl() -> str:

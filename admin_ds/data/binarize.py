@@ -14,6 +14,7 @@ whose checksum differs from the manifest is refused when the directory is opened
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -38,23 +39,13 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _chunks(lines: Iterable[str], n: int) -> Iterator[list[str]]:
-    buf: list[str] = []
-    for line in lines:
-        buf.append(line)
-        if len(buf) == n:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
-
-
 def binarize_lines(subword, lines: Iterable[str], prefix: str | os.PathLike, chunk_lines: int = 20000) -> dict:
     """Encode ``lines`` with ``subword`` (a SubwordModel) and write ``prefix.{bin,idx}``.
     Streams in chunks: memory does not grow with the corpus."""
     n_lines = n_tokens = n_unk = 0
+    lines = iter(lines)
     with IndexedDatasetWriter(prefix, subword.vocab_size) as writer:
-        for chunk in _chunks(lines, chunk_lines):
+        while chunk := list(itertools.islice(lines, chunk_lines)):
             for ids in subword.encode(chunk):
                 writer.add(ids)
                 n_lines += 1
