@@ -16,8 +16,6 @@ the few operations that must know about DeepSpeed's internals:
 
 from __future__ import annotations
 
-import datetime
-import importlib
 import json
 import math
 import os
@@ -32,6 +30,8 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 from admin_ds.config import ConfigError
+from admin_ds.distributed import (all_reduce_sum, barrier, broadcast_object, init, rank,  # noqa: F401
+                                  world_layout, world_size)
 
 # Keys of the DeepSpeed JSON that belong to the run config: refusing them keeps one owner per value.
 _OWNED_BY_RUN_CONFIG = {
@@ -50,100 +50,6 @@ def on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
-def _skip_cpu_shm_build() -> None:
-    """DeepSpeed JIT-compiles a CPU shared-memory comm op in every TorchBackend (98 s cold on two
-    cores), used only by inference all-reduce. Replace the builder before init_distributed.
-    ``import deepspeed.comm.torch as m`` would bind torch itself (deepspeed.comm re-exports it)."""
-    importlib.import_module("deepspeed.comm.torch")
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm's compact host list ("gpu[01-03,07],cpu5") as host names, in order, as
-    ``scontrol show hostnames`` prints them (used when scontrol is not on the compute node)."""
-    hosts, i, n = [], 0, len(nodelist)
-    while i < n:
-        j = i
-        while j < n and nodelist[j] not in ",[":
-            j += 1
-        prefix = nodelist[i:j]
-        if j < n and nodelist[j] == "[":
-            k = nodelist.index("]", j)
-            for part in nodelist[j + 1:k].split(","):
-                lo, _, hi = part.partition("-")
-                width = len(lo)
-                for v in range(int(lo), int(hi or lo) + 1):
-                    hosts.append(f"{prefix}{v:0{width}d}")
-            j = k + 1
-        elif prefix:
-            hosts.append(prefix)
-        i = j + 1 if j < n and nodelist[j] == "," else j
-    return hosts
-
-
-def _env_from_slurm(port: int) -> None:
-    """Slurm without PMI: map SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and the first host of
-    SLURM_JOB_NODELIST to RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR (DeepSpeed reads none of
-    the SLURM_* variables itself)."""
-    env = os.environ
-    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not nodelist:
-        raise RuntimeError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not: cannot find the master host")
-    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-               WORLD_SIZE=env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
-    env.setdefault("MASTER_ADDR", expand_nodelist(nodelist)[0])
-    env.setdefault("MASTER_PORT", str(port))
-
-
-def _wait_for_master(timeout_s: float) -> None:
-    """Non-zero ranks: fail with the address and port after ``timeout_s`` if the master's rendezvous
-    port never accepts a connection, instead of hanging in init_process_group."""
-    import socket
-    import time
-
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((addr, port), timeout=2):
-                return
-        except OSError as e:
-            last = e
-            time.sleep(0.5)
-    raise ConnectionError(f"rank {os.environ.get('RANK')}: cannot reach the master at {addr}:{port} within "
-                       f"{timeout_s:.0f}s ({last}); check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and "
-                       "that the port is open between the nodes (engine.connect_timeout_s)")
-
-
-def init_distributed(port: int = 29500, timeout_s: int = 600, connect_timeout_s: float = 120) -> None:
-    """Join the process group: env:// from a launcher (deepspeed, torchrun), our mapping of Slurm's
-    variables, or mpi4py discovery under mpirun. A rank that cannot reach the master fails after
-    ``connect_timeout_s`` with the address and port, instead of hanging."""
-    if dist.is_initialized():
-        return
-    if on_cpu():
-        _skip_cpu_shm_build()
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ and "OMPI_COMM_WORLD_SIZE" not in os.environ:
-        _env_from_slurm(port)
-    launched = "RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
-    if "RANK" in os.environ and int(os.environ["RANK"]) > 0 and "MASTER_ADDR" in os.environ:
-        _wait_for_master(connect_timeout_s)
-    if not launched:
-        # A plain `python launch/train.py`: a world of one on a free local port. (DeepSpeed would
-        # otherwise run MPI discovery, which pins the port to distributed_port, so two standalone
-        # runs on one machine would collide.)
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            free = sock.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free)))
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-    deepspeed.init_distributed(dist_backend="gloo" if on_cpu() else "nccl", distributed_port=port,
-                               timeout=datetime.timedelta(seconds=timeout_s))
-
-
 def device() -> torch.device:
     if on_cpu():
         return torch.device("cpu")
@@ -152,47 +58,9 @@ def device() -> torch.device:
     return torch.device(get_accelerator().device_name(local))
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def world_layout() -> dict:
-    """Nodes and ranks per node, from every rank's host name (collective)."""
-    import socket
-
-    host = socket.gethostname()
-    hosts = [host]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        hosts = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, host)
-    per_node: dict[str, int] = {}
-    for h in hosts:
-        per_node[h] = per_node.get(h, 0) + 1
-    return {"world_size": len(hosts), "nodes": len(per_node), "ranks_per_node": per_node}
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
-def broadcast_object(obj, src: int = 0):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def init_distributed(port: int = 29500, timeout_s: int = 600, connect_timeout_s: float = 120) -> None:
+    """Join the process group (admin_ds/distributed.py), a world of one without a launcher."""
+    init("cpu" if on_cpu() else "cuda", port, timeout_s, connect_timeout_s, standalone=True)
 
 
 # ------------------------------------------------------------------------------------------------

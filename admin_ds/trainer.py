@@ -89,6 +89,14 @@ class RunLog:
                 except ImportError:
                     self.info("[log] tensorboard is not installed; `pip install tensorboard` to enable it")
 
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
     def info(self, msg: str) -> None:
         if self.enabled:
             print(msg, flush=True)
@@ -575,6 +583,23 @@ class Trainer:
         self.log.info(f"[guard] {reason} at update {at}: rolled back to {self.ckpt_dir / tag}, "
                       f"learning rate x{scale:g} from here on")
 
+    def close(self) -> None:
+        """Release the engine: DeepSpeed's gradient hooks hold the optimizer, the model and, through
+        the parameters, its process groups in a cycle the garbage collector cannot see; without
+        ``destroy`` the groups' threads outlive the run (admin_ds/distributed.py)."""
+        import gc
+
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.destroy()
+            # The pipeline engine's output-backward hooks keep the engine itself alive from C++ (a
+            # cycle destroy() leaves in place); emptied, it holds no module, optimizer or group.
+            vars(engine).clear()
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+        self.engine = self.model = None
+        gc.collect()
+
     # ---- the run ---------------------------------------------------------------------------------
     def fit(self) -> dict:
         run = self.run
@@ -673,6 +698,18 @@ def _float(x) -> Optional[float]:
 
 
 def train(run: RunConfig, ds_config_path: str) -> dict:
-    trainer = Trainer(run, ds_config_path)
-    trainer.setup()
-    return trainer.fit()
+    """The whole run on this rank; leaves the process group (distributed.shutdown) on every path."""
+    from admin_ds import distributed
+
+    clean, trainer = False, None
+    try:
+        trainer = Trainer(run, ds_config_path)
+        trainer.setup()
+        summary = trainer.fit()
+        clean = True
+        return summary
+    finally:
+        if trainer is not None:
+            trainer.close()
+        trainer = None
+        distributed.shutdown(clean)

@@ -343,48 +343,36 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
 
 # ---- main -------------------------------------------------------------------------------------
 
-def init_ranks() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch.distributed as dist
-
-    dist.init_process_group(backend="gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
 def run(a) -> int:
     t0 = time.perf_counter()
     import torch
 
-    torch.set_num_threads(a.workers)
-    rank, world = init_ranks()
-    manifest, sp = check_inputs(a)
-    model_id = model_identity(a.model)
-    if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
-        log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "
-            f"{manifest['src_lang']}->{manifest['tgt_lang']} (expected a {manifest['tgt_lang']}->{manifest['src_lang']} model)")
-    lines, mono_stats = read_mono(a.mono, manifest["tgt_lang"])
-    if a.shards > len(lines):
-        raise PrepError(f"--shards {a.shards}: more shards than the {len(lines)} non-empty mono lines")
-    lock = open_output_dir(a.out) if rank == 0 else None
-    if world > 1:
-        torch.distributed.barrier()
-    try:
-        from admin_ds.data.binarize import MANIFEST
+    from admin_ds import distributed
 
-        if rank == 0:
-            (a.out / MANIFEST).unlink(missing_ok=True)
-        keys = run_shards(a, lines, model_id, rank, world)
-        if world > 1:
-            torch.distributed.barrier()
-        if rank == 0:
-            combine(a, manifest, sp, keys, mono_stats, model_id, t0)
-    finally:
-        if lock is not None:
-            lock.close()
-        if world > 1:
-            torch.distributed.destroy_process_group()
+    torch.set_num_threads(a.workers)
+    with distributed.session("cpu") as (rank, world):
+        manifest, sp = check_inputs(a)
+        model_id = model_identity(a.model)
+        if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
+            log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "
+                f"{manifest['src_lang']}->{manifest['tgt_lang']} (expected a {manifest['tgt_lang']}->{manifest['src_lang']} model)")
+        lines, mono_stats = read_mono(a.mono, manifest["tgt_lang"])
+        if a.shards > len(lines):
+            raise PrepError(f"--shards {a.shards}: more shards than the {len(lines)} non-empty mono lines")
+        lock = open_output_dir(a.out) if rank == 0 else None
+        distributed.barrier()
+        try:
+            from admin_ds.data.binarize import MANIFEST
+
+            if rank == 0:
+                (a.out / MANIFEST).unlink(missing_ok=True)
+            keys = run_shards(a, lines, model_id, rank, world)
+            distributed.barrier()
+            if rank == 0:
+                combine(a, manifest, sp, keys, mono_stats, model_id, t0)
+        finally:
+            if lock is not None:
+                lock.close()
     return 0
 
 

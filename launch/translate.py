@@ -69,20 +69,6 @@ def parse_args(argv=None):
 # ------------------------------------------------------------------------------------------------
 
 
-def init_ranks(device_type: str) -> tuple[int, int]:
-    """(rank, world): joins the process group the launcher describes (env://) when WORLD_SIZE > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch
-    import torch.distributed as dist
-
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
 def read_input(path: str, rank: int, world: int) -> list[str]:
     """Rank 0 reads the input (stdin reaches only one process) and shares it, or the error, with
     every rank, so that all of them stop on a bad input instead of waiting for rank 0."""
@@ -94,26 +80,12 @@ def read_input(path: str, rank: int, world: int) -> list[str]:
             lines = read_lines(path)
         except (OSError, ValueError) as e:
             error = str(e)
-    if world > 1:
-        import torch.distributed as dist
+    from admin_ds import distributed
 
-        box = [(lines, error)]
-        dist.broadcast_object_list(box, src=0)
-        lines, error = box[0]
+    lines, error = distributed.broadcast_object((lines, error))
     if error:
         raise ValueError(error)
     return lines
-
-
-def gather_outputs(outputs: list, rank: int, world: int):
-    """All shards on rank 0, in rank order (None elsewhere)."""
-    if world == 1:
-        return outputs
-    import torch.distributed as dist
-
-    parts = [None] * world if rank == 0 else None
-    dist.gather_object(outputs, parts, dst=0)
-    return [x for part in parts for x in part] if rank == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,36 +184,36 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
+    from admin_ds import distributed
     from admin_ds.model_file import ModelFileError
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
-        rank, world = init_ranks(device)
-        if device == "cuda":
-            device = f"cuda:{torch.cuda.current_device()}"
-        lines = read_input(args.input, rank, world)
-        model, subword = load_model(args, device)
-    except (ModelFileError, NotImplementedError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device is available", file=sys.stderr)
         return 2
+    with distributed.session(device) as (rank, world):
+        try:
+            if device == "cuda":
+                device = f"cuda:{torch.cuda.current_device()}"
+            lines = read_input(args.input, rank, world)
+            model, subword = load_model(args, device)
+        except (ModelFileError, NotImplementedError, ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
-    start, end = len(lines) * rank // world, len(lines) * (rank + 1) // world
-    t0 = time.perf_counter()
-    with tqdm(total=end - start, unit="sent", desc="translate", file=sys.stderr,
-              disable=args.quiet or rank != 0) as progress:
-        outputs = translate_shard(model, subword, lines[start:end], args, args.seed + rank, progress)
-    outputs = gather_outputs(outputs, rank, world)
-    if rank == 0:
-        results.buffer.write("".join(f"{line}\n" for line in outputs).encode("utf-8"))
-        results.flush()
-        print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.1f}s on {world} rank(s), "
-              f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {args.dtype}"
-              f"{', folded' if args.fold else ''}; model {args.checkpoint}",
-              file=sys.stderr)
-    if world > 1:
-        torch.distributed.destroy_process_group()
+        start, end = len(lines) * rank // world, len(lines) * (rank + 1) // world
+        t0 = time.perf_counter()
+        with tqdm(total=end - start, unit="sent", desc="translate", file=sys.stderr,
+                  disable=args.quiet or rank != 0) as progress:
+            outputs = translate_shard(model, subword, lines[start:end], args, args.seed + rank, progress)
+        parts = distributed.gather_object(outputs)
+        if rank == 0:
+            results.buffer.write("".join(f"{line}\n" for part in parts for line in part).encode("utf-8"))
+            results.flush()
+            print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.1f}s on {world} rank(s), "
+                  f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {args.dtype}"
+                  f"{', folded' if args.fold else ''}; model {args.checkpoint}",
+                  file=sys.stderr)
     return 0
 
 

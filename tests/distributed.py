@@ -42,6 +42,11 @@ def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dic
     Path(out, f"rank{rank}.json").write_text(json.dumps({"result": result, "error": error}))
     if error:
         os._exit(1)  # do not wait in a collective for ranks that will never come
+    from admin_ds import distributed
+
+    for trainer in _OPENED:  # engines hold process groups: release them before the teardown
+        trainer.close()
+    distributed.shutdown()
 
 
 def spawn(world: int, fn_name: str, out: Path, **kwargs) -> list:
@@ -51,28 +56,34 @@ def spawn(world: int, fn_name: str, out: Path, **kwargs) -> list:
     port = free_port()
     ctx = mp.start_processes(_entry, args=(world, port, str(out), fn_name, kwargs), nprocs=world,
                              join=False, start_method="spawn")
+    exited = None
     try:
         while not ctx.join(timeout=300):
             pass
     except mp.ProcessRaisedException as e:
         raise AssertionError(str(e)) from None
-    except mp.ProcessExitedException:
-        pass
+    except mp.ProcessExitedException as e:
+        exited = e  # a rank that failed exits non-zero on purpose: its JSON says why
     results = []
     for r in range(world):
         f = out / f"rank{r}.json"
         if not f.exists():
-            raise AssertionError(f"rank {r} wrote no result")
+            raise AssertionError(f"rank {r} wrote no result" + (f" ({exited})" if exited else ""))
         d = json.loads(f.read_text())
         if d["error"]:
             raise AssertionError(f"rank {r} failed:\n{d['error']}")
         results.append(d["result"])
+    if exited is not None:  # every rank succeeded, yet one did not exit cleanly (e.g. SIGABRT at exit)
+        raise AssertionError(f"all ranks finished their work, but a rank did not exit cleanly: {exited}")
     return results
 
 
 # ------------------------------------------------------------------------------------------------
 # Rank functions
 # ------------------------------------------------------------------------------------------------
+
+
+_OPENED: list = []  # trainers made in this rank, closed before it leaves the process group
 
 
 def _trainer(run_overrides: list[str], ds: dict, tmp: str):
@@ -83,6 +94,7 @@ def _trainer(run_overrides: list[str], ds: dict, tmp: str):
     ds_path.write_text(json.dumps(ds))
     run = load_run_config(None, run_overrides)
     trainer = Trainer(run, str(ds_path))
+    _OPENED.append(trainer)
     trainer.setup()
     return trainer
 
@@ -175,3 +187,30 @@ def fit_with_faults(run_overrides: list[str], ds: dict, tmp: str, fault: str) ->
     t._restore(ckpt.newest_complete(t.ckpt_dir))
     return {"summary": summary, "digests": digests, "reloaded_guard": t.guard.state_dict(),
             "reloaded_lr": t.engine.get_lr()[0], "reloaded_update": t.state.update}
+
+
+# ---- process-group teardown (tests/test_cluster.py) -----------------------------------------------
+
+
+def backend_threads() -> list[str]:
+    """Names of this process's gloo threads (Linux: /proc/self/task/*/comm)."""
+    names = [Path(t, "comm").read_text().strip() for t in Path("/proc/self/task").iterdir()]
+    return [n for n in names if "gloo" in n]
+
+
+def command_then_threads(command: str, argv: list[str]) -> dict:
+    """Run a launch/ command's ``main`` in this rank (it joins and leaves the process group
+    itself), then report the gloo threads still alive and the command's exit status."""
+    import runpy
+
+    module = runpy.run_path(str(REPO / "launch" / f"{command}.py"), run_name="launched")
+    status = module["main"](argv)
+    return {"status": status, "after": backend_threads()}
+
+
+
+
+
+
+
+

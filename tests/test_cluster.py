@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed import REPO, SMALL_DATA, free_port
+from distributed import REPO, SMALL_DATA, free_port, spawn
 
 needs_mpi = pytest.mark.skipif(shutil.which("mpirun") is None,
                                reason="OpenMPI (mpirun) is not installed; launch/setup_env.sh installs it as root")
@@ -119,8 +119,43 @@ def test_layout_is_checked_against_the_config(tmp_path, data_dir):
 
 
 def test_slurm_nodelist_expansion():
-    from admin_ds.engine import expand_nodelist
+    from admin_ds.distributed import expand_nodelist
 
     assert expand_nodelist("gpu[01-03,07],cpu5") == ["gpu01", "gpu02", "gpu03", "gpu07", "cpu5"]
     assert expand_nodelist("node1") == ["node1"]
     assert expand_nodelist("a[8-11],b[009-010]") == ["a8", "a9", "a10", "a11", "b009", "b010"]
+
+
+# ---- leaving the process group -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_training_leaves_no_backend_thread_behind(tmp_path, data_dir, stages):
+    """A gloo worker thread alive at interpreter exit can abort the process (SIGABRT after the
+    work is done; admin_ds/distributed.py): after train.py's main returns, none may be left."""
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1 if stages > 1 else 2}}))
+    argv = ["--deepspeed_config", str(ds), f"--train.run_dir={tmp_path / 'run'}", f"--data.path={data_dir}",
+            f"--data.max_tokens={SMALL_DATA['max_tokens']}", "--train.max_updates=1", "--train.final_eval=false",
+            f"--engine.pipeline_stages={stages}"]
+    for r in spawn(2, "command_then_threads", tmp_path / "out", command="train", argv=argv):
+        assert r["status"] == 0
+        assert r["after"] == [], f"process-group threads survived the teardown: {r['after']}"
+
+
+def test_translation_on_two_ranks_leaves_no_backend_thread_behind(tmp_path, data_dir):
+    """The same for translate.py, given a run directory: reading it imports DeepSpeed's
+    checkpoint code after the group exists, which pinned the group (the old SIGABRT at exit)."""
+    run = tmp_path / "run"
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    spawn(1, "command_then_threads", tmp_path / "train", command="train",
+          argv=["--deepspeed_config", str(ds), f"--train.run_dir={run}", f"--data.path={data_dir}",
+                f"--data.max_tokens={SMALL_DATA['max_tokens']}", "--train.max_updates=1", "--train.final_eval=false"])
+    src = tmp_path / "src.txt"
+    src.write_text("".join(f"{line}\n" for line in (data_dir / "test.en").read_text().splitlines()[:4]))
+    out = spawn(2, "command_then_threads", tmp_path / "out", command="translate",
+                argv=["--checkpoint", str(run), "--input", str(src), "--quiet", "--max-len-b", "3"])
+    for r in out:
+        assert r["status"] == 0
+        assert r["after"] == [], f"process-group threads survived the teardown: {r['after']}"

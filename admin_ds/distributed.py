@@ -1,0 +1,260 @@
+"""Ranks: joining the process group, the few collectives every layer uses, and leaving cleanly.
+
+Every multi-rank command (training, translation, back-translation) joins and leaves through here:
+
+    with distributed.session(device_type="cpu") as (rank, world):
+        ...                                     # collectives; the group is torn down on exit
+
+Joining covers every launcher: env:// from ``deepspeed`` / ``torchrun`` (RANK, WORLD_SIZE, ...),
+our mapping of Slurm's variables (DeepSpeed reads none of them), and mpi4py discovery under a plain
+``mpirun`` (DeepSpeed's ``init_distributed``). A rank that cannot reach the master gives up after
+``connect_timeout_s`` with the address and port instead of hanging in the rendezvous.
+
+Leaving. A gloo process group runs its collectives on C++ worker threads (``pt_gloo_runloop``).
+A worker that releases the last reference to a tensor Python also knew must take the GIL; if the
+interpreter is already finalizing, CPython ends that thread with ``pthread_exit``, whose forced
+unwind through a ``noexcept`` C++ frame calls ``std::terminate``: the process dies with SIGABRT
+("terminate called without an active exception") after all its work is done, and the launcher
+then kills the other ranks and fails the job. Destroying the group before the interpreter exits
+joins those threads, but only if nothing else still holds the group. Two things do (torch 2.13,
+DeepSpeed 0.19.8): default arguments evaluated at import (``group=group.WORLD`` in
+``torch.distributed.nn.functional``, ``process_group=dist.group.WORLD`` in FSDP's
+``ShardedGradScaler``, which DeepSpeed, ``torch._dynamo`` and DeepSpeed's checkpoint readers
+import), so importing them while a group exists pins it; and DeepSpeed's own module globals of the
+groups it made. Hence ``init`` imports those modules *before* creating the group, and ``shutdown``
+ends with a barrier (no collective in flight on any rank), the destroy, and DeepSpeed's group
+handles dropped. tests/test_cluster.py checks that no gloo thread survives a command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import importlib
+import os
+import socket
+import sys
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+# ------------------------------------------------------------------------------------------------
+# Joining
+# ------------------------------------------------------------------------------------------------
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compact host list ("gpu[01-03,07],cpu5") as host names, in order, as
+    ``scontrol show hostnames`` prints them (used when scontrol is not on the compute node)."""
+    hosts, i, n = [], 0, len(nodelist)
+    while i < n:
+        j = i
+        while j < n and nodelist[j] not in ",[":
+            j += 1
+        prefix = nodelist[i:j]
+        if j < n and nodelist[j] == "[":
+            k = nodelist.index("]", j)
+            for part in nodelist[j + 1:k].split(","):
+                lo, _, hi = part.partition("-")
+                width = len(lo)
+                for v in range(int(lo), int(hi or lo) + 1):
+                    hosts.append(f"{prefix}{v:0{width}d}")
+            j = k + 1
+        elif prefix:
+            hosts.append(prefix)
+        i = j + 1 if j < n and nodelist[j] == "," else j
+    return hosts
+
+
+def _env_from_slurm(port: int) -> None:
+    """Slurm without PMI: map SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and the first host of
+    SLURM_JOB_NODELIST to RANK, LOCAL_RANK, WORLD_SIZE and MASTER_ADDR."""
+    env = os.environ
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConnectionError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not: cannot find the master host")
+    env.update(RANK=env["SLURM_PROCID"], LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+               WORLD_SIZE=env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
+    env.setdefault("MASTER_ADDR", expand_nodelist(nodelist)[0])
+    env.setdefault("MASTER_PORT", str(port))
+
+
+def _wait_for_master(timeout_s: float) -> None:
+    """Non-zero ranks: fail with the address and port after ``timeout_s`` if the master's
+    rendezvous port never accepts a connection, instead of hanging in init_process_group."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=2):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.5)
+    raise ConnectionError(f"rank {os.environ.get('RANK')}: cannot reach the master at {addr}:{port} within "
+                          f"{timeout_s:.0f}s ({last}); check MASTER_ADDR/MASTER_PORT, that rank 0 is running, "
+                          "and that the port is open between the nodes (engine.connect_timeout_s)")
+
+
+def launched() -> bool:
+    """Was this process started as one rank of several (a launcher's or Slurm's variables)?"""
+    env = os.environ
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return int(env.get("OMPI_COMM_WORLD_SIZE", env.get("PMI_SIZE", "1"))) > 1
+    if "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"]) > 1
+    return int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env
+
+
+def _skip_cpu_shm_build() -> None:
+    """DeepSpeed JIT-compiles a CPU shared-memory comm op in every TorchBackend (98 s cold on two
+    cores), used only by inference all-reduce. Replace the builder before init_distributed.
+    ``import deepspeed.comm.torch as m`` would bind torch itself (deepspeed.comm re-exports it)."""
+    importlib.import_module("deepspeed.comm.torch")
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def init(device_type: str = "cpu", port: int = 29500, timeout_s: float = 600,
+         connect_timeout_s: float = 120, standalone: bool = True) -> tuple[int, int]:
+    """Join the process group; returns ``(rank, world_size)``.
+
+    ``standalone``: a process started without a launcher joins a world of one on a free local port
+    (DeepSpeed needs a group even then). Without it, such a process stays out of torch.distributed
+    and gets ``(0, 1)`` (translation on one process). gloo on CPU, NCCL on GPUs."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if not launched() and not standalone:
+        return 0, 1
+    # Before the group exists: these evaluate `group.WORLD` into default arguments at import and
+    # would pin the group (module docstring). DeepSpeed imports FSDP and torch._dynamo.
+    import deepspeed
+    import torch.distributed.nn  # noqa: F401
+
+    if device_type == "cpu":
+        _skip_cpu_shm_build()
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env and "OMPI_COMM_WORLD_SIZE" not in env:
+        _env_from_slurm(port)
+    if "RANK" in env and int(env["RANK"]) > 0 and "MASTER_ADDR" in env:
+        _wait_for_master(connect_timeout_s)
+    if not launched() and "RANK" not in env:
+        # A plain `python launch/train.py`: a world of one on a free local port. (DeepSpeed would
+        # otherwise run MPI discovery, which pins the port to distributed_port, so two standalone
+        # runs on one machine would collide.)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            free = sock.getsockname()[1]
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=env.get("MASTER_PORT", str(free)))
+    env.setdefault("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(int(env["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl", distributed_port=port,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown(clean: bool = True) -> None:
+    """Leave the process group (see the module docstring). ``clean``: every rank got here on its
+    normal path, so a barrier first makes sure no collective is still in flight anywhere; after an
+    error the barrier is skipped (a failed rank would never arrive)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if clean and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        _forget_deepspeed_groups()
+        gc.collect()  # groups still referenced from collectable cycles go now, joining their threads
+
+
+def _forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the groups it made in module globals and offers no reset: the world,
+    data-parallel and model-parallel groups and the pipeline grid (``mpu``) in
+    ``deepspeed.utils.groups``, the pipeline's
+    point-to-point groups and grid in ``deepspeed.runtime.pipe.p2p``. After the destroy they are
+    dead handles that keep the backends (and their threads) alive: drop them."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name, value in list(vars(groups).items()):
+            if name.startswith("_") and name.endswith("_GROUP"):
+                if isinstance(value, dict):
+                    value.clear()
+                else:
+                    setattr(groups, name, None)
+        groups.mpu = None  # the pipeline engine's grid, which holds its groups
+    p2p = sys.modules.get("deepspeed.runtime.pipe.p2p")
+    if p2p is not None:
+        p2p._groups = p2p._grid = None
+
+
+@contextlib.contextmanager
+def session(device_type: str = "cpu", standalone: bool = False, **kwargs) -> Iterator[tuple[int, int]]:
+    """``init`` on entry, ``shutdown`` on exit (without the barrier when leaving with an error)."""
+    ranks = init(device_type, standalone=standalone, **kwargs)
+    clean = False
+    try:
+        yield ranks
+        clean = True
+    finally:
+        shutdown(clean)
+
+
+# ------------------------------------------------------------------------------------------------
+# Where am I, and the small collectives
+# ------------------------------------------------------------------------------------------------
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def world_layout() -> dict:
+    """Nodes and ranks per node, from every rank's host name (collective)."""
+    host = socket.gethostname()
+    hosts = [host]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, host)
+    per_node: dict[str, int] = {}
+    for h in hosts:
+        per_node[h] = per_node.get(h, 0) + 1
+    return {"world_size": len(hosts), "nodes": len(per_node), "ranks_per_node": per_node}
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_object(obj, dst: int = 0) -> Optional[list]:
+    """Every rank's ``obj`` on ``dst`` in rank order, None elsewhere."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, parts, dst=dst)
+    return parts
