@@ -1,4 +1,4 @@
-"""Decoding speed on CPU: admin_ds.decode vs transformers' generate vs CTranslate2, same weights.
+"""Decoding speed on CPU: admin_ds.inference.decode vs transformers' generate vs CTranslate2, same weights.
 
     python bench/decode.py --threads 2 1 --repeats 5 --profile     # writes bench/decode_results.md
     python bench/decode.py --batch 32 --length 48 --out /tmp/decode.md
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import os
 import platform
 import statistics
@@ -34,7 +33,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 DATA = REPO.parent / "shared/data/wmt14/en-de"
 
 
@@ -69,17 +67,13 @@ def build(args, tmp: Path):
     batch, Marian dir, CTranslate2 dir), all with the same weights."""
     import torch
 
-    from admin_ds.config import ModelConfig
-    from admin_ds.inference import optimize_for_decoding
+    from admin_ds.data.subword import train_subword_model
+    from admin_ds.inference import export
+    from admin_ds.inference.model_file import ModelFile, build_from_model_file
+    from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.model import build_model
-    from admin_ds.model_file import ModelFile, build_from_model_file
-    from admin_ds.presets import get_preset
-    from admin_ds.subword import train_subword_model
-
-    # launch/ is not a package: load the export script from its file
-    spec = importlib.util.spec_from_file_location("launch_export", REPO / "launch/export.py")
-    export = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(export)
+    from admin_ds.model.config import ModelConfig
+    from admin_ds.model.presets import get_preset
 
     files = [DATA / f"newstest{y}.{lang}" for y in (2013, 2014) for lang in ("en", "de")]
     spm = train_subword_model(files, tmp / "spm", vocab_size=args.vocab, seed=1, num_threads=2)
@@ -106,7 +100,7 @@ def decoders(args, threads, model, plain, subword, src, hf_dir, ct2_dir):
     import torch
     from transformers import MarianMTModel
 
-    from admin_ds.decode import beam_search, greedy
+    from admin_ds.inference.decode import beam_search, greedy
 
     L, K = args.length, args.beam
     hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
@@ -244,7 +238,7 @@ def main(argv=None) -> int:
                         *sys.argv[1:]])
     src_len = src.ne(model.cfg.pad_idx).sum(1).float()
     report = "\n".join([
-        "# Decoding speed: admin_ds.decode vs transformers vs CTranslate2 (CPU)",
+        "# Decoding speed: admin_ds.inference.decode vs transformers vs CTranslate2 (CPU)",
         "",
         f"- command: `{command}`",
         f"- date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
@@ -260,7 +254,7 @@ def main(argv=None) -> int:
         f"best of {args.repeats} interleaved rounds",
         "",
         "admin_ds decodes as launch/translate.py does (weights packed for oneDNN by "
-        "admin_ds/inference.py); admin_ds_plain is the same model with F.linear (translate.py --plain-linear).",
+        "admin_ds/inference/packed.py); admin_ds_plain is the same model with F.linear (translate.py --plain-linear).",
         "",
         "| threads | search | admin_ds tok/s | admin_ds_plain tok/s | transformers tok/s | CTranslate2 tok/s "
         "| admin_ds / transformers | admin_ds / CTranslate2 | admin_ds_plain / transformers "

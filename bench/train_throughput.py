@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def update_flops(cfg, batches) -> float:
@@ -46,17 +43,19 @@ def update_flops(cfg, batches) -> float:
 def bench_preset(args, preset: str) -> dict:
     import torch
 
-    from admin_ds.run_config import load_run_config
-    from admin_ds.trainer import Trainer
+    from admin_ds.data.binarize import open_split
+    from admin_ds.train.loop import Training
+    from admin_ds.train.run_config import load_run_config
 
     over = [f"--model.preset={preset}", f"--train.run_dir={args.run_dir}/{preset}", "--train.resume=false",
             f"--data.max_tokens={args.max_tokens}", "--train.final_eval=false"]
     if args.data:
         over.append(f"--data.path={args.data}")
     run = load_run_config(None, over)
-    t = Trainer(run, args.ds)
+    t = Training(run, args.ds)
     t.setup()
-    sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
+    device = t.runner.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     t.establish_profile()
     sync()
@@ -65,11 +64,12 @@ def bench_preset(args, preset: str) -> dict:
         t.train_update()
     sync()
     # FLOPs of exactly the batches the timed updates will draw (the iterator is deterministic).
-    probe = t._iterator(t.train_data, shuffle=True)
+    gas = t.ds["gradient_accumulation_steps"]
+    probe = t.evaluator.iterator(open_split(t.data_dir, "train", t.manifest), shuffle=True, gas=gas)
     probe.load_state_dict(t.iterator.state_dict())
-    batches = [probe.next_batch() for _ in range(args.updates * t.gas)]
-    flops = update_flops(t.model_cfg, batches)
-    if t.device.type == "cuda":
+    batches = [probe.next_batch() for _ in range(args.updates * gas)]
+    flops = update_flops(t.cfg, batches)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     tokens = 0
@@ -77,14 +77,15 @@ def bench_preset(args, preset: str) -> dict:
         tokens += t.train_update()["ntokens"]
     sync()
     dt = time.perf_counter() - t0
-    row = {"preset": preset, "ds_config": args.ds, "device": t.device.type, "max_tokens": args.max_tokens,
+    row = {"preset": preset, "ds_config": args.ds, "device": device.type, "max_tokens": args.max_tokens,
            "tokens_per_s": round(tokens / dt), "update_s": round(dt / args.updates, 4),
            "profile_s": round(profile_s, 3), "profile_over_update": round(profile_s / (dt / args.updates), 2),
            "tflops": round(flops / dt / 1e12, 3), "threads": torch.get_num_threads()}
     if args.peak_tflops:
         row["mfu"] = round(flops / dt / 1e12 / args.peak_tflops, 4)
-    if t.device.type == "cuda":
+    if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    t.close()
     return row
 
 

@@ -20,19 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from admin_ds import files
+from admin_ds.files import atomic_output, sha256_file
 from data_prep import PrepError
 from data_prep.clean import PunctNormalizer, decode_side, length_filter, normalize
 from data_prep.noise import encode_with_blanks, noise_line
 from data_prep.pipeline import FilterOptions, _counts, open_output_dir
-from data_prep.sources import file_sha256
-from data_prep.steps import AtomicOutput, make_key
+from data_prep.steps import make_key
 
 BT_VERSION = 1
 METHODS = ("beam", "sampling", "topk", "noised-beam")
@@ -81,7 +81,7 @@ def check_inputs(a) -> tuple[dict, object]:
     """Everything checked before any output is written. Returns the bitext manifest and the
     forward SubwordModel."""
     from admin_ds.data.binarize import load_manifest
-    from admin_ds.subword import SubwordModel
+    from admin_ds.data.subword import SubwordModel
 
     if not a.model.exists():
         raise PrepError(f"--model {a.model}: no such file or directory")
@@ -146,9 +146,7 @@ def shard_bounds(n: int, k: int) -> list[tuple[int, int]]:
 
 
 def text_sha(lines: list[str]) -> str:
-    import hashlib
-
-    return hashlib.sha256("".join(l + "\n" for l in lines).encode("utf-8")).hexdigest()
+    return files.sha256_bytes("".join(l + "\n" for l in lines).encode("utf-8"))
 
 
 def shard_done(out: Path, i: int, key: str) -> bool:
@@ -159,14 +157,14 @@ def shard_done(out: Path, i: int, key: str) -> bool:
         return False
     if rec.get("key") != key:
         return False
-    return all(Path(f"{base}.{s}").is_file() and file_sha256(Path(f"{base}.{s}")) == rec["outputs"][s]
+    return all(Path(f"{base}.{s}").is_file() and sha256_file(Path(f"{base}.{s}")) == rec["outputs"][s]
                for s in ("src", "tgt"))
 
 
 def translate_shard(model, subword, lines: list[str], a, seed: int) -> list[str]:
     import torch
 
-    from admin_ds.decode import translate
+    from admin_ds.inference.translate import translate
 
     torch.manual_seed(seed)
     kw = dict(max_len_a=a.max_len_a, max_len_b=a.max_len_b)
@@ -200,19 +198,17 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> li
             log(f"[bt] shard {i}: already done, skipped")
             continue
         if model is None:
-            model, subword = load_model(a.model)
+            model, subword, _ = load_model(a.model)
         t0 = time.perf_counter()
         s, e = bounds[i]
         src = translate_shard(model, subword, lines[s:e], a, a.seed + i)
         outputs = {}
         for side, text in (("src", src), ("tgt", lines[s:e])):
-            with AtomicOutput(Path(f"{base}.{side}")) as f:
+            with atomic_output(Path(f"{base}.{side}")) as f:
                 f.write("".join(t.replace("\n", " ") + "\n" for t in text).encode("utf-8"))
-            outputs[side] = file_sha256(Path(f"{base}.{side}"))
-        from admin_ds import atomic
-
+            outputs[side] = sha256_file(Path(f"{base}.{side}"))
         dt = round(time.perf_counter() - t0, 3)
-        atomic.write_text(Path(f"{base}.done.json"), json.dumps(
+        files.write_text(Path(f"{base}.done.json"), json.dumps(
             dict(keys[i], key=key, outputs=outputs, seconds=dt), indent=1) + "\n")
         log(f"[bt] shard {i}: {e - s} lines translated ({a.method}) in {dt:.1f}s")
     return keys
@@ -222,35 +218,34 @@ _MODEL_CACHE: dict = {}
 
 
 def load_model(path: Path):
-    import torch
+    """The reverse model and its subword model, loaded once per process (admin_ds/inference/
+    model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
+    torchrun or deepspeed), else on the CPU with oneDNN packed weights."""
+    if "model" not in _MODEL_CACHE:
+        import torch
 
-    from admin_ds.inference import optimize_for_decoding
-    from admin_ds.model_file import build_from_model_file, load_any
+        from admin_ds.errors import UserError
+        from admin_ds.inference.model_file import load_for_decoding
 
-    mf = _MODEL_CACHE.get("mf") or load_any(path)
-    # One GPU per rank when there are GPUs (LOCAL_RANK from torchrun/deepspeed), else the CPU.
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    else:
-        device = torch.device("cpu")
-    model, subword = build_from_model_file(mf, device, torch.float32)
-    return optimize_for_decoding(model), subword  # oneDNN packed weights on a CPU, else unchanged
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+        try:
+            _MODEL_CACHE["model"] = load_for_decoding(path, device=device)
+        except (UserError, NotImplementedError, ValueError, OSError) as e:
+            raise PrepError(f"--model {path}: {e}") from None
+    return _MODEL_CACHE["model"]
 
 
 def model_identity(path: Path) -> dict:
     """What identifies the reverse model: the model file's checksum, or the run checkpoint's
     source/tag/update and subword checksum."""
-    from admin_ds.model_file import ModelFileError, load_any
-
-    try:
-        mf = load_any(path)
-    except (ModelFileError, NotImplementedError, ValueError, OSError) as e:
-        raise PrepError(f"--model {path}: {e}") from None
-    _MODEL_CACHE["mf"] = mf
+    _, _, mf = load_model(path)
     ident = {"path": str(path.resolve()), "subword_sha256": mf.subword_sha256,
              "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang")}
     if path.is_file():
-        ident["sha256"] = file_sha256(path)
+        ident["sha256"] = sha256_file(path)
     else:
         ident.update(tag=mf.meta.get("tag"), update=mf.meta.get("update"))
     return ident
@@ -261,7 +256,7 @@ def model_identity(path: Path) -> dict:
 def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id: dict, t_start: float) -> Path:
     from admin_ds.data.binarize import MANIFEST, open_split, write_manifest
     from admin_ds.data.indexed import IndexedDatasetWriter
-    from admin_ds.subword import UNK
+    from admin_ds.data.subword import UNK
 
     out, bt = a.out, a.bitext
     s_lang, t_lang = manifest["src_lang"], manifest["tgt_lang"]
@@ -303,20 +298,19 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
             tok["tgt_tokens"] += int(tgt_ids.size)
             tok["src_unk"] += int(np.count_nonzero(src_ids == UNK))
             tok["tgt_unk"] += int(np.count_nonzero(tgt_ids == UNK))
-    files = [f"train.{l}.{e}" for l in (s_lang, t_lang) for e in ("bin", "idx")]
+    listed = [f"train.{l}.{e}" for l in (s_lang, t_lang) for e in ("bin", "idx")]
     for name in [manifest.get("subword_model", "spm.model"), "spm.vocab"] + [
             n for n in manifest.get("files", {}) if not n.startswith("train.")]:
-        if (bt / name).is_file() and name not in files:
-            shutil.copyfile(bt / name, out / f"{name}.tmp")
-            os.replace(out / f"{name}.tmp", out / name)
-            files.append(name)
+        if (bt / name).is_file() and name not in listed:
+            files.write_bytes(out / name, (bt / name).read_bytes())
+            listed.append(name)
     splits = {k: v for k, v in manifest["splits"].items() if k != "train"}
     splits["train"] = {"lines": len(order), **tok}
     filters = {k: v for k, v in manifest.get("filters", {}).items() if k != "train"}
     filters["synthetic"] = stats
     path = write_manifest(out, {
         "src_lang": s_lang, "tgt_lang": t_lang, "subword_model": manifest.get("subword_model", "spm.model"),
-        "subword_sha256": sp.sha256, "vocab_size": sp.vocab_size, "splits": splits, "files": files,
+        "subword_sha256": sp.sha256, "vocab_size": sp.vocab_size, "splits": splits, "files": listed,
         "filters": filters,
         "backtranslation": {
             "counts": {"real": n_real, "real_upsampled": n_real * a.upsample, "upsample": a.upsample,
@@ -327,9 +321,9 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
             "noise": ({"word_dropout": 0.1, "blank": 0.1, "blank_token": "<unk> (unknown id)",
                        "shuffle_k": 3} if a.method == "noised-beam" else None),
             "length_filter": {"min_len": f.min_len, "max_len": f.max_len, "ratio": f.ratio},
-            "reverse_model": model_id, "mono_files": {str(p): file_sha256(p) for p in a.mono},
+            "reverse_model": model_id, "mono_files": {str(p): sha256_file(p) for p in a.mono},
             "shard_inputs": [k["input_sha256"] for k in keys],
-            "bitext": {"path": str(bt.resolve()), "manifest_sha256": file_sha256(bt / MANIFEST)},
+            "bitext": {"path": str(bt.resolve()), "manifest_sha256": sha256_file(bt / MANIFEST)},
         },
         "seconds": {"total": round(time.perf_counter() - t_start, 3)},
         "command": " ".join([os.environ.get("DATA_PREP_ARGV0", "python -m data_prep.backtranslate")]

@@ -300,7 +300,7 @@ _encode_state: dict = {}
 
 
 def init_encode_worker(spm_path: str, min_len: int, max_len: int, ratio: float) -> None:
-    from admin_ds.subword import SubwordModel
+    from admin_ds.data.subword import SubwordModel
 
     sp = SubwordModel(spm_path, num_threads=1)  # one process per core already
     _encode_state.update(sp=sp, min_len=min_len, max_len=max_len, ratio=ratio,

@@ -30,10 +30,11 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from admin_ds.files import atomic_output
 from data_prep import PrepError
 from data_prep.clean import (DigestSet, PunctNormalizer, clean_chunk, decode_side, encode_chunk,
                              init_clean_worker, init_encode_worker, normalize)
-from data_prep.steps import AtomicOutput, StepLog, chunked, make_key, ordered_map
+from data_prep.steps import StepLog, chunked, make_key, ordered_map
 
 # Bump when a change to the code changes what a step writes: old step records then stop matching.
 PREP_VERSION = 1
@@ -236,7 +237,7 @@ def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
     kept = 0
     chunks = ordered_map(clean_chunk, chunked(raw_pairs(), plan.chunk_lines), plan.workers,
                          init_clean_worker, (plan.src, plan.tgt))
-    with AtomicOutput(plan.out / src_name) as f_src, AtomicOutput(plan.out / tgt_name) as f_tgt, \
+    with atomic_output(plan.out / src_name) as f_src, atomic_output(plan.out / tgt_name) as f_tgt, \
             tqdm(total=total, unit=" pairs", desc="clean", disable=plan.quiet or None, mininterval=1) as bar:
         for chunk in chunks:
             fresh = seen.add_new(chunk.digests)
@@ -265,7 +266,7 @@ def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
 
 def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
     """A joint SentencePiece model on (a sample of) both cleaned sides."""
-    from admin_ds.subword import VocabSizeError, train_subword_model
+    from admin_ds.data.subword import VocabSizeError, train_subword_model
 
     t0 = time.perf_counter()
     opt = plan.subword
@@ -295,7 +296,7 @@ def run_binarize_train(plan: Plan, steps: StepLog, key: str, total: int) -> dict
     """Encode the cleaned pairs in worker processes, drop those outside the length and ratio
     limits, and stream the rest into train.{SRC,TGT}.{bin,idx} in input order."""
     from admin_ds.data.indexed import IndexedDatasetWriter
-    from admin_ds.subword import UNK, SubwordModel
+    from admin_ds.data.subword import UNK, SubwordModel
 
     t0 = time.perf_counter()
     vocab = SubwordModel(plan.out / "spm.model").vocab_size
@@ -349,7 +350,7 @@ def _add_sentences(writer, ids: np.ndarray, lens: np.ndarray) -> None:
 def run_eval_split(plan: Plan, steps: StepLog, key: str, split: str, pairs: dict) -> dict:
     """Binarize a dev/test set unfiltered and keep its text for BLEU (see the module docstring)."""
     from admin_ds.data.indexed import IndexedDatasetWriter
-    from admin_ds.subword import UNK, SubwordModel
+    from admin_ds.data.subword import UNK, SubwordModel
 
     sp = SubwordModel(plan.out / "spm.model")
     punct = {lang: PunctNormalizer(lang) for lang in (plan.src, plan.tgt)}
@@ -364,7 +365,7 @@ def run_eval_split(plan: Plan, steps: StepLog, key: str, split: str, pairs: dict
                 writer.add(np.asarray(seq, dtype=np.int64))
         stats[f"{side}_tokens"] = sum(len(x) for x in ids)
         stats[f"{side}_unk"] = sum(x.count(UNK) for x in ids)
-        with AtomicOutput(plan.out / f"{split}.{lang}") as f:
+        with atomic_output(plan.out / f"{split}.{lang}") as f:
             f.write("".join(line + "\n" for line in text[lang]).encode("utf-8"))
     plan.log(f"[prep] {split}: {stats['kept']} pairs from {plan.evals[split].describe()} ({plan.eval_names[split]})")
     outputs = [f"{split}.{lang}{ext}" for lang in (plan.src, plan.tgt) for ext in (".bin", ".idx", "")]
@@ -378,7 +379,7 @@ def write_data_manifest(plan: Plan, request_key: str, clean: dict, subword: dict
     """The manifest of admin_ds.data.binarize (what training reads: languages, subword model,
     splits, checksummed files), extended with what this preparation did."""
     from admin_ds.data.binarize import write_manifest
-    from admin_ds.subword import SubwordModel
+    from admin_ds.data.subword import SubwordModel
 
     sp = SubwordModel(plan.out / "spm.model")
     s, t = plan.src, plan.tgt

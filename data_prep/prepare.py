@@ -23,9 +23,6 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: python data_prep/prepare.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from data_prep import PrepError
 from data_prep.pipeline import FilterOptions, Plan, SubwordOptions, prepare
 from data_prep.sources import (FilePairs, TsvPairs, find_json_split, find_side,

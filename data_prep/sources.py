@@ -21,7 +21,6 @@ sides with different line counts) raises :class:`~data_prep.PrepError` naming it
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import os
 import re
@@ -30,6 +29,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Iterator
 
+from admin_ds.files import sha256_file
 from data_prep import PrepError
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -105,14 +105,6 @@ def read_sgml(path: Path) -> list[bytes]:
 
 def read_side(path: Path, max_bytes: int) -> Iterator[bytes | None]:
     return iter(read_sgml(path)) if is_sgml(path) else read_lines(path, max_bytes)
-
-
-def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def find_side(directory: Path, prefix: str, lang: str, pair: tuple[str, str]) -> Path:
@@ -246,7 +238,7 @@ class DatasetPairs:
 
 
 def _file_fingerprint(path: Path) -> dict:
-    return {"name": path.name, "sha256": file_sha256(path)}
+    return {"name": path.name, "sha256": sha256_file(path)}
 
 
 # ---- datasets ---------------------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """Resumable steps and the ordered worker pool.
 
-Resuming (the fairseq2 ``step_N.tmp`` idea applied to data): every output is written under
-``NAME.tmp`` and renamed when complete, and a step that has renamed all its outputs records
-``work/STEP.done.json``::
+Resuming (the fairseq2 ``step_N.tmp`` idea applied to data): every output is written to a
+temporary sibling and renamed when complete (admin_ds.files.atomic_output), and a step that has
+renamed all its outputs records ``work/STEP.done.json``::
 
     {"step": "clean", "key": "<sha256 of the step's inputs and options>",
      "outputs": {"work/train.clean.en": {"size": ..., "sha256": ...}, ...}, "stats": {...}}
 
 A re-run skips a step when its record exists, its key equals the key computed now, and every
 output still has the recorded size and checksum; otherwise the step runs again from scratch and
-overwrites its outputs (a killed step leaves only ``*.tmp`` files and no record). Keys chain on
+overwrites its outputs (a killed step leaves only ``.*.tmp`` files and no record). Keys chain on
 content: a step's key includes the checksums of the previous step's outputs, so identical
 intermediate files keep the later steps valid even when an earlier step was re-run.
 """
@@ -20,13 +20,12 @@ import hashlib
 import itertools
 import json
 import multiprocessing as mp
-import os
 from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from admin_ds import atomic
-from data_prep.sources import file_sha256
+from admin_ds import files
+from admin_ds.files import sha256_file
 
 STEP_FORMAT = 1
 
@@ -34,34 +33,6 @@ STEP_FORMAT = 1
 def make_key(obj) -> str:
     """sha256 of an object's canonical JSON (sorted keys): the identity of a step's inputs."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-class AtomicOutput:
-    """Write a binary file under ``PATH.tmp`` and rename it to ``PATH`` only on success::
-
-        with AtomicOutput(path) as f:
-            f.write(...)
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.tmp = self.path.with_name(self.path.name + ".tmp")
-
-    def __enter__(self):
-        self.file = open(self.tmp, "wb", buffering=1 << 20)
-        return self.file
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                self.file.flush()
-                os.fsync(self.file.fileno())
-            self.file.close()
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-        finally:
-            if exc_type is not None or self.tmp.exists():
-                self.tmp.unlink(missing_ok=True)
 
 
 class StepLog:
@@ -84,7 +55,7 @@ class StepLog:
             return None
         for name, meta in record.get("outputs", {}).items():
             f = self.out_dir / name
-            if not f.is_file() or f.stat().st_size != meta["size"] or file_sha256(f) != meta["sha256"]:
+            if not f.is_file() or f.stat().st_size != meta["size"] or sha256_file(f) != meta["sha256"]:
                 return None
         return record
 
@@ -96,10 +67,10 @@ class StepLog:
         atomically, last."""
         record = {"format": STEP_FORMAT, "step": step, "key": key,
                   "outputs": {name: {"size": (self.out_dir / name).stat().st_size,
-                                     "sha256": file_sha256(self.out_dir / name)}
+                                     "sha256": sha256_file(self.out_dir / name)}
                               for name in outputs},
                   "stats": stats}
-        atomic.write_text(self._record_path(step), json.dumps(record, indent=1) + "\n")
+        files.write_text(self._record_path(step), json.dumps(record, indent=1) + "\n")
         return record
 
 

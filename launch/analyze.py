@@ -6,22 +6,17 @@
         --target model --out runs/analysis_full
 
 Writes DIR/analysis.json, DIR/output_change.png and DIR/dependency_<init>.png (beta of the deepest
-model), and prints a table. Definitions and the choices behind them: ``admin_ds/analysis.py``.
+model), and prints a table. Definitions and the choices behind them: ``admin_ds/model/analysis.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-from pathlib import Path
 
-# Runnable as `python launch/analyze.py` from a checkout where admin_ds is not installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import argparse  # noqa: E402
-
-from admin_ds.analysis import INIT_VARIANTS, SCOPES, TARGETS, format_table, run_analyses, write_report  # noqa: E402
-from admin_ds.presets import PRESET_NAMES  # noqa: E402
-from admin_ds.profiling import FORMULAS  # noqa: E402
+from admin_ds.model.analysis import INIT_VARIANTS, SCOPES, TARGETS, format_table, run_analyses, write_report
+from admin_ds.model.presets import PRESET_NAMES
+from admin_ds.model.profiling import FORMULAS
 
 
 def build_parser() -> argparse.ArgumentParser:

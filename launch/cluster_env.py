@@ -10,12 +10,10 @@ settings and the project's PYTHONPATH go there, so every node sees the environme
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from admin_ds import atomic  # noqa: E402
+from admin_ds import files
 
 FORWARDED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS", "FI_", "UCX_")
 FORWARDED_NAMES = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR",
@@ -44,7 +42,7 @@ def main() -> None:
     p.add_argument("--out", default=".deepspeed_env")
     args = p.parse_args()
     env = collect(args.set)
-    atomic.write_text(args.out, "".join(f"{k}={v}\n" for k, v in sorted(env.items())))
+    files.write_text(args.out, "".join(f"{k}={v}\n" for k, v in sorted(env.items())))
     print(f"wrote {args.out}: {', '.join(sorted(env))}")
 
 

@@ -4,7 +4,7 @@
     python launch/evaluate.py --hyp hyp.de --ref newstest2014.de --lang en-de [--src ...] [--json]
 
 Prints a table by default; with ``--json`` stdout holds exactly one JSON object (see
-``admin_ds.evaluate.score`` for its keys) so that it can be piped into other tools.  Bad input
+``admin_ds.inference.scoring.score`` for its keys) so that it can be piped into other tools.  Bad input
 (missing or unreadable file, invalid UTF-8, mismatched line counts, malformed ``--lang``) is
 reported on stderr with exit status 2, the conventional status for usage errors (as argparse
 uses), without a traceback.
@@ -12,16 +12,11 @@ uses), without a traceback.
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
-from pathlib import Path
 
-# Runnable as `python launch/evaluate.py` from a checkout where admin_ds is not installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-from admin_ds.evaluate import (  # noqa: E402
+from admin_ds.inference.scoring import (
     check_same_length,
     format_table,
     parse_lang_pair,

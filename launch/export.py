@@ -3,65 +3,16 @@
     python launch/export.py --checkpoint runs/x --format hf-marian --out export/x-hf
     python launch/export.py --checkpoint runs/x/avg10.pt --format ct2 --out export/x-ct2
 
---checkpoint is a run directory, a checkpoint tag directory or a model file. Omega is folded into
-the weights first (admin_ds/fold.py): a folded Admin model is a vanilla Post-LN Transformer, which
-``MarianMTModel`` is (BART-style Post-LN layers, ReLU/GELU FFN, sinusoidal positions, sqrt(D)
-embedding scale). Our conventions, mapped exactly:
-
-* ids: bos 0, pad 1, eos 2, unk 3 (fairseq's, = our SentencePiece ids); the decoder starts with
-  EOS (``decoder_start_token_id=2``); ``vocab.json`` maps every piece to OUR id, so
-  ``MarianTokenizer`` (source.spm = target.spm = our joint model) encodes to our ids.
-* positions: our table is fairseq's (sin half then cos half, frequency
-  exp(-k ln(10000) / (D/2 - 1)), real tokens at rows 2, 3, ... since rows start after pad_idx=1).
-  Marian's own table divides by D/2 instead of D/2 - 1 and starts at row 0, so we write OUR rows
-  2.. into ``embed_positions.weight`` (Marian position p = our row p + 2). transformers drops that
-  table when it saves (``_keys_to_ignore_on_save``) and rebuilds it from its formula when a
-  checkpoint lacks it, but it loads the table when the file has it: we write model.safetensors
-  ourselves, and the export reloads the directory and checks the table and the logits.
-* ``final_logits_bias`` zeros; right padding only (Marian positions count padding, ours do not).
-* the embedding output scale. Folding puts the first sub-layer's omega of each stack on the
-  embedding output (``embedding_output_scale``: a per-stack D-vector s, fold.py). Admin trains
-  omega (``omega_trainable``, the reference's default), so in a trained model omega_1 has moved away
-  from its profiled 1 and practically every trained Admin model needs s. Marian has no such vector,
-  and s cannot go into one shared token matrix (s_enc != s_dec, and the output projection must see
-  the unscaled matrix E). But (E[t] sqrt(D) + pos) * s = (E * s)[t] sqrt(D) + pos * s, and Marian can
-  hold three matrices: then the export writes an *untied* Marian model
-  (``share_encoder_decoder_embeddings=False, tie_word_embeddings=False``): encoder embedding
-  E * s_enc, decoder embedding E * s_dec, lm_head E, position tables pos * s_enc and pos * s_dec.
-  Exact, at the price of storing the embedding three times. Without s (omega_1 == 1, e.g. a
-  default-init or fixed-omega model) the standard tied layout is written.
-
-Not expressible in Marian (refused with the reason): Pre-LN models (Marian has no pre-norm
-option), T-Fixup (no LayerNorm), separate source/target embeddings in our model.
-
-``--format ct2`` writes the Marian directory into a temporary directory and converts it with
-CTranslate2's ``TransformersConverter`` into ``OUT`` (float32; the SentencePiece model and the
-export report are copied along). CTranslate2's stock Marian loader assumes
-OPUS-MT conventions that are not ours: it starts the decoder from a zero embedding (OPUS-MT starts
-with the pad token, whose embedding is zero; ours starts with EOS) and removes the last vocabulary
-row (the pad token transformers appends to OPUS-MT vocabularies; ours is a real piece), so
-``ct2-transformers-converter --model DIR`` on our export stops with "Source vocabulary 0 has size V
-but the model expected a vocabulary of size V-1" (and, were the row count fixed, its first decoder
-step would differ). We convert with the loader of the same architecture minus these two
-assumptions (``OurMarianLoader``). As with any converted Marian model, CTranslate2 takes source
-pieces with the EOS appended (``MarianTokenizer`` appends it; ``add_source_eos`` is false).
+--checkpoint is a run directory, a checkpoint tag directory or a model file. Omega is folded away
+first, so the export is a vanilla Post-LN Transformer; the export reloads what it wrote and checks
+the logits (admin_ds/inference/export.py has the details and what cannot be exported).
 """
 
 import argparse
-import json
-import re
 import sys
-import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-FORMATS = ("hf-marian", "ct2")
-CT2_COPY_FILES = ("source.spm", "target.spm", "admin_ds_export.json")
-
-
-class ExportError(ValueError):
-    """The model cannot be exported as asked; the message says why."""
+from admin_ds.inference.export import FORMATS
 
 
 def parse_args(argv=None):
@@ -69,225 +20,22 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", required=True, help="run dir, checkpoint tag dir or model file")
     p.add_argument("--tag", help="checkpoint tag in a run dir (default: the newest complete one)")
     p.add_argument("--format", choices=FORMATS, default="hf-marian")
-    p.add_argument("--out", required=True, help="output directory (created; must be empty if it exists)")
+    p.add_argument("--out", required=True, type=Path, help="output directory (created; must be empty if it exists)")
     return p.parse_args(argv)
-
-
-# ------------------------------------------------------------------------------------------------
-# Our model -> MarianMTModel
-# ------------------------------------------------------------------------------------------------
-
-# Our parameter names -> Marian's; the attention and LayerNorm names are already the same.
-_RENAMES = [
-    (re.compile(r"^src_embed\.weight$"), "model.shared.weight"),
-    (re.compile(r"^(encoder|decoder)_layers\.(\d+)\.ffn\.(fc[12])\.(weight|bias)$"), r"model.\1.layers.\2.\3.\4"),
-    (re.compile(r"^(encoder|decoder)_layers\.(\d+)\.((?:self_attn|encoder_attn)(?:_layer_norm)?(?:\.\w+_proj)?"
-                r"|final_layer_norm)\.(weight|bias)$"), r"model.\1.layers.\2.\3.\4"),
-]
-
-
-def check_exportable(cfg) -> None:
-    """Refuse architectures Marian cannot express (see the module docstring)."""
-    if cfg.norm_order != "post":
-        raise ExportError("a Pre-LN model cannot be expressed as MarianMTModel: Marian's layers are "
-                          "Post-LN only (MarianConfig has no pre-norm option)")
-    if cfg.init == "t-fixup":
-        raise ExportError("a T-Fixup model has no LayerNorm; MarianMTModel always normalizes")
-    if not cfg.share_all_embeddings:
-        raise ExportError("separate source/target embeddings: the export supports the joint "
-                          "vocabulary with one shared embedding matrix (share_all_embeddings)")
-
-
-def marian_config(cfg):
-    """Tied (one embedding matrix) unless the folded model scales its embedding output."""
-    from transformers import MarianConfig
-
-    tied = not cfg.embedding_output_scale
-    return MarianConfig(
-        vocab_size=cfg.vocab_size, decoder_vocab_size=cfg.vocab_size, d_model=cfg.model_dim,
-        encoder_layers=cfg.num_encoder_layers, decoder_layers=cfg.num_decoder_layers,
-        encoder_attention_heads=cfg.num_heads, decoder_attention_heads=cfg.num_heads,
-        encoder_ffn_dim=cfg.ffn_inner_dim, decoder_ffn_dim=cfg.ffn_inner_dim,
-        activation_function=cfg.activation, max_position_embeddings=cfg.max_positions,
-        dropout=cfg.dropout_p, attention_dropout=cfg.attention_dropout_p,
-        activation_dropout=cfg.activation_dropout_p, scale_embedding=True,
-        bos_token_id=cfg.bos_idx, pad_token_id=cfg.pad_idx, eos_token_id=cfg.eos_idx,
-        decoder_start_token_id=cfg.eos_idx, forced_eos_token_id=cfg.eos_idx,
-        share_encoder_decoder_embeddings=tied, tie_word_embeddings=tied,
-        architectures=["MarianMTModel"])
-
-
-def marian_state_dict(model) -> dict:
-    """Our folded model's weights under Marian's names, plus our position table and a zero
-    final_logits_bias. Every parameter must find a place (no silent drops). Tied matrices are
-    stored once, as transformers stores them (model.shared.weight)."""
-    import torch
-
-    cfg = model.cfg
-    out = {}
-    scales = {"src_embed_scale", "tgt_embed_scale"}
-    for name, tensor in model.state_dict().items():
-        if name in scales:
-            continue
-        for pattern, repl in _RENAMES:
-            if pattern.match(name):
-                out[pattern.sub(repl, name)] = tensor.detach().float().contiguous()
-                break
-        else:
-            raise ExportError(f"parameter {name!r} has no counterpart in MarianMTModel")
-    # Our row pad_idx + 1 + p is the position of the p-th real token (0-based), Marian's row p.
-    first = cfg.pad_idx + 1
-    table = model.src_embed.positions[first:first + cfg.max_positions].detach().float()
-    enc_scale = dec_scale = torch.ones(cfg.model_dim)
-    if cfg.embedding_output_scale:  # the untied layout (module docstring)
-        enc_scale, dec_scale = model.src_embed_scale.detach().float(), model.tgt_embed_scale.detach().float()
-        emb = out.pop("model.shared.weight")
-        out["model.encoder.embed_tokens.weight"] = (emb * enc_scale).contiguous()
-        out["model.decoder.embed_tokens.weight"] = (emb * dec_scale).contiguous()
-        out["lm_head.weight"] = emb
-    out["model.encoder.embed_positions.weight"] = (table * enc_scale).contiguous()
-    out["model.decoder.embed_positions.weight"] = (table * dec_scale).contiguous()
-    out["final_logits_bias"] = torch.zeros(1, cfg.vocab_size)
-    return out
-
-
-def write_tokenizer(out_dir: Path, subword, spm_bytes: bytes, src_lang, tgt_lang, max_len: int) -> None:
-    """MarianTokenizer files: source.spm = target.spm = our joint model, vocab.json = our ids."""
-    from transformers import MarianTokenizer
-
-    (out_dir / "source.spm").write_bytes(spm_bytes)
-    (out_dir / "target.spm").write_bytes(spm_bytes)
-    vocab = {subword.piece(i): i for i in range(subword.vocab_size)}
-    (out_dir / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
-    tok = MarianTokenizer(str(out_dir / "source.spm"), str(out_dir / "target.spm"), str(out_dir / "vocab.json"),
-                          source_lang=src_lang, target_lang=tgt_lang, model_max_length=max_len)
-    tok.save_pretrained(str(out_dir))
-
-
-def verify_export(out_dir: Path, model, state: dict) -> dict:
-    """Reload the directory with transformers: our position table must be the one in use, and the
-    logits on random ids must match ours. Returns the measured differences."""
-    import torch
-    from transformers import MarianMTModel
-
-    hf = MarianMTModel.from_pretrained(str(out_dir)).eval()
-    for key in ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"):
-        if not torch.equal(hf.state_dict()[key], state[key]):
-            raise ExportError(f"{out_dir}: transformers replaced {key} at load time; the export is "
-                              f"not usable with this transformers version")
-    cfg = model.cfg
-    g = torch.Generator().manual_seed(0)
-    src = torch.randint(4, cfg.vocab_size, (2, 7), generator=g)
-    src[:, -1] = cfg.eos_idx
-    tgt = torch.randint(4, cfg.vocab_size, (2, 5), generator=g)
-    tgt[:, 0] = cfg.eos_idx
-    with torch.no_grad():
-        ours = model.float().eval()(src, tgt)
-        theirs = hf(input_ids=src, attention_mask=torch.ones_like(src), decoder_input_ids=tgt).logits
-    diff = float((ours - theirs).abs().max())
-    if diff > 1e-3:
-        raise ExportError(f"{out_dir}: logits differ from ours by {diff:.3g} after reloading")
-    return {"logits_max_abs_diff": diff}
-
-
-def export_hf_marian(mf, out_dir: Path) -> dict:
-    """Write ``out_dir`` as a MarianMTModel directory (config, generation config, safetensors,
-    tokenizer) from a ModelFile; returns a report (what was written, verified differences)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig, MarianMTModel
-
-    from admin_ds.fold import fold_omega
-    from admin_ds.model_file import build_from_model_file
-
-    check_exportable(mf.model_config)
-    model, subword = build_from_model_file(mf, "cpu", torch.float32)
-    folded = fold_omega(model)
-    check_exportable(folded.cfg)
-    config = marian_config(folded.cfg)
-    state = marian_state_dict(folded)
-
-    # Our names must be exactly Marian's: every key of MarianMTModel filled, none left over.
-    expected = set(MarianMTModel(config).state_dict())
-    if config.tie_word_embeddings:
-        expected -= {"model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"}
-    if expected != set(state):
-        raise ExportError(f"weights do not fit MarianMTModel: missing {sorted(expected - set(state))}, "
-                          f"unexpected {sorted(set(state) - expected)}")
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(str(out_dir))
-    GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
-                     eos_token_id=config.eos_token_id, decoder_start_token_id=config.decoder_start_token_id,
-                     forced_eos_token_id=config.forced_eos_token_id,
-                     max_length=config.max_position_embeddings).save_pretrained(str(out_dir))
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    meta = mf.meta
-    write_tokenizer(out_dir, subword, mf.subword_model_bytes, meta.get("src_lang"), meta.get("tgt_lang"),
-                    folded.cfg.max_positions)
-    report = {"format": "hf-marian", "source": meta.get("source"), "update": meta.get("update"),
-              "folded_omega": model.cfg.init, "model_config": folded.cfg.to_dict(),
-              "embeddings": "tied" if config.tie_word_embeddings else "untied (embedding output scale)",
-              "positions": "fairseq sinusoids, our rows pad_idx+1.. written into embed_positions.weight",
-              **verify_export(out_dir, folded, state)}
-    (out_dir / "admin_ds_export.json").write_text(json.dumps(report, indent=1) + "\n")
-    return report
-
-
-# ------------------------------------------------------------------------------------------------
-# MarianMTModel directory -> CTranslate2
-# ------------------------------------------------------------------------------------------------
-
-
-def convert_ct2(hf_dir: Path, out_dir: Path) -> None:
-    """CTranslate2 model (float32) from an exported Marian directory, with ``OurMarianLoader``
-    in place of the stock Marian loader for the duration of the conversion."""
-    import ctranslate2.converters.transformers as ct2t
-
-    class OurMarianLoader(ct2t.MarianMTLoader):
-        """The stock Marian loader minus its two OPUS-MT assumptions (module docstring)."""
-
-        def get_model_spec(self, model):
-            model.config.normalize_before = False
-            model.config.normalize_embedding = False
-            return ct2t.BartLoader.get_model_spec(self, model)  # keeps every vocabulary row
-
-        def set_decoder(self, spec, decoder):
-            ct2t.BartLoader.set_decoder(self, spec, decoder)  # the decoder starts from EOS's embedding
-
-        def get_vocabulary(self, model, tokenizer):
-            return ct2t.BartLoader.get_vocabulary(self, model, tokenizer)
-
-    stock = ct2t._MODEL_LOADERS["MarianConfig"]  # a private registry: the converter has no hook
-    ct2t._MODEL_LOADERS["MarianConfig"] = OurMarianLoader()
-    try:
-        ct2t.TransformersConverter(str(hf_dir), copy_files=list(CT2_COPY_FILES)).convert(str(out_dir), force=True)
-    finally:
-        ct2t._MODEL_LOADERS["MarianConfig"] = stock
-
-
-# ------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from admin_ds.model_file import ModelFileError, load_any
+    from admin_ds.errors import UserError
+    from admin_ds.inference.export import export
+    from admin_ds.inference.model_file import load_any
 
-    out = Path(args.out)
     try:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ExportError(f"{out}: exists and is not an empty directory")
-        mf = load_any(args.checkpoint, args.tag)
-        if args.format == "hf-marian":
-            report = export_hf_marian(mf, out)
-        else:  # the converter empties its output directory first: the Marian one goes elsewhere
-            with tempfile.TemporaryDirectory(prefix="admin_ds_marian_") as tmp:
-                report = export_hf_marian(mf, Path(tmp))
-                convert_ct2(Path(tmp), out)
-    except (ModelFileError, ExportError, NotImplementedError) as e:
+        report = export(load_any(args.checkpoint, args.tag), args.format, args.out)
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"[export] {args.format} -> {out} (logits max abs diff vs ours after reload: "
+    print(f"[export] {args.format} -> {args.out} (logits max abs diff vs ours after reload: "
           f"{report['logits_max_abs_diff']:.2e})", file=sys.stderr)
     return 0
 

@@ -8,18 +8,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from admin_ds.fold import fold_omega  # noqa: E402
-from admin_ds.model import build_model, count_parameters  # noqa: E402
-from admin_ds.presets import PRESET_NAMES, get_preset, preset_table  # noqa: E402
-from admin_ds.profiling import omega_table, profile_omega  # noqa: E402
+from admin_ds.model import build_model, count_parameters
+from admin_ds.model.fold import fold_omega
+from admin_ds.model.presets import PRESET_NAMES, get_preset, preset_table
+from admin_ds.model.profiling import omega_table, profile_omega
 
 
 def cmd_list(args: argparse.Namespace) -> None:

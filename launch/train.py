@@ -9,7 +9,7 @@
     python launch/train.py ...                       # one process, no launcher
 
 Options: --config FILE (YAML run config), --section.key=value overrides (see
-admin_ds/run_config.py), --profile-only (write the Admin profile and exit), --profile PATH (reuse
+admin_ds/train/run_config.py), --profile-only (write the Admin profile and exit), --profile PATH (reuse
 admin_profile.json or a reference profile.ratio.init). The DeepSpeed JSON says how to run; the run
 config says what to train.
 """
@@ -17,9 +17,6 @@ config says what to train.
 import argparse
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):
@@ -32,12 +29,13 @@ def parse_args(argv=None):
     return p.parse_known_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None, hooks=None) -> int:
+    """``hooks``: callbacks at fixed points of the run (admin_ds/train/hooks.py); tests use them."""
     args, overrides = parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    from admin_ds.config import ConfigError
-    from admin_ds.run_config import load_run_config
+    from admin_ds.errors import UserError
+    from admin_ds.train.run_config import load_run_config
 
     try:
         run = load_run_config(args.config, overrides)
@@ -45,10 +43,10 @@ def main(argv=None) -> int:
             run.admin.profile_only = True
         if args.profile:
             run.admin.profile = args.profile
-        from admin_ds.trainer import train
+        from admin_ds.train.loop import train
 
-        train(run, args.deepspeed_config)
-    except (ConfigError, ConnectionError) as e:
+        train(run, args.deepspeed_config, hooks)
+    except (UserError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

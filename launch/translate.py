@@ -9,9 +9,9 @@
 
 --checkpoint is a run directory (its newest complete checkpoint), one checkpoint tag directory
 (``checkpoints/update_NNNNNN``) or a model file (launch/average_checkpoints.py). --fold decodes with
-omega folded away (admin_ds/fold.py): the same translations from a vanilla Post-LN model.
-On a CPU in fp32 the model's weights are first packed for oneDNN (admin_ds/inference.py; 2-4x
-faster matrix products at decoding's small row counts); --plain-linear decodes without that.
+omega folded away (admin_ds/model/fold.py): the same translations from a vanilla Post-LN model.
+On a CPU in fp32 the model's weights are first packed for oneDNN (admin_ds/inference/packed.py;
+2-4x faster matrix products at decoding's small row counts); --plain-linear decodes without that.
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -23,12 +23,8 @@ Sampling seeds rank r with --seed + r.
 """
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None):
@@ -53,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     p.add_argument("--plain-linear", action="store_true",
-                   help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference.py)")
+                   help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference/packed.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
@@ -64,15 +60,11 @@ def parse_args(argv=None):
     return args
 
 
-# ------------------------------------------------------------------------------------------------
-# Ranks
-# ------------------------------------------------------------------------------------------------
-
-
-def read_input(path: str, rank: int, world: int) -> list[str]:
+def read_input(path: str, rank: int) -> list[str]:
     """Rank 0 reads the input (stdin reaches only one process) and shares it, or the error, with
     every rank, so that all of them stop on a bad input instead of waiting for rank 0."""
-    from admin_ds.evaluate import read_lines
+    from admin_ds import distributed
+    from admin_ds.inference.scoring import read_lines
 
     lines = error = None
     if rank == 0:
@@ -80,99 +72,27 @@ def read_input(path: str, rank: int, world: int) -> list[str]:
             lines = read_lines(path)
         except (OSError, ValueError) as e:
             error = str(e)
-    from admin_ds import distributed
-
     lines, error = distributed.broadcast_object((lines, error))
     if error:
         raise ValueError(error)
     return lines
 
 
-# ------------------------------------------------------------------------------------------------
-# Translation
-# ------------------------------------------------------------------------------------------------
+def translate_shard(model, subword, lines: list[str], args, seed: int, progress, first: int = 0) -> list[str]:
+    """Output lines (formatted for stdout) for ``lines``, in their order; ``first`` is the input
+    line number of ``lines[0]`` (a rank's shard starts mid-input)."""
+    from admin_ds.inference.translate import translate, translate_nbest
 
-
-def plan_batches(subword, lines, max_tokens: int, max_positions: int) -> list[list[int]]:
-    """Line indices grouped exactly as ``admin_ds.decode.translate`` groups them (non-empty lines,
-    length = subword ids + EOS, capped at max_positions; ``make_batches``). Translating batch by
-    batch then gives translate's output for all lines (same batches, same rows, same order), with
-    progress reporting in between."""
-    from admin_ds.decode import make_batches
-
-    todo, lengths = [], []
-    for i, (line, ids) in enumerate(zip(lines, subword.encode(lines))):
-        if line.strip() and ids:
-            todo.append(i)
-            lengths.append(min(len(ids) + 1, max_positions))
-    return [[todo[j] for j in batch] for batch in make_batches(lengths, max_tokens)]
-
-
-def nbest_batch(model, subword, lines: list[str], args) -> list[list[tuple[float, str]]]:
-    """(score, text) n-best lists of one planned batch, via ``beam_search`` (``translate`` keeps
-    only the best). Sources are built as translate builds them: ids + EOS, truncated, right-padded."""
-    import torch
-
-    from admin_ds.decode import beam_search
-
-    cfg = model.cfg
-    srcs = [ids[:cfg.max_positions - 1] + [cfg.eos_idx] for ids in subword.encode(lines)]
-    src = torch.full((len(srcs), max(map(len, srcs))), cfg.pad_idx, dtype=torch.long)
-    for r, ids in enumerate(srcs):
-        src[r, :len(ids)] = torch.tensor(ids)
-    hyps = beam_search(model, src.to(next(model.parameters()).device), beam=args.beam, lenpen=args.lenpen,
-                       max_len_a=args.max_len_a, max_len_b=args.max_len_b, nbest=args.nbest,
-                       unk_penalty=args.unk_penalty, min_len=args.min_len)
-    return [list(zip([h.score for h in sent], subword.decode([h.tokens for h in sent]))) for sent in hyps]
-
-
-def translate_shard(model, subword, lines: list[str], args, seed: int, progress) -> list[str]:
-    """Output lines (formatted for stdout) for ``lines``, in their order."""
-    import torch
-
-    from admin_ds.decode import translate
-
-    kw = dict(max_len_a=args.max_len_a, max_len_b=args.max_len_b, unk_penalty=args.unk_penalty,
-              min_len=args.min_len)
+    search = dict(max_len_a=args.max_len_a, max_len_b=args.max_len_b, unk_penalty=args.unk_penalty,
+                  min_len=args.min_len)
+    if args.nbest > 1:
+        nbest = translate_nbest(model, subword, lines, beam=args.beam, nbest=args.nbest, lenpen=args.lenpen,
+                                max_tokens=args.max_tokens, progress=progress.update, **search)
+        return [f"{first + i}\t{score:.6g}\t{text}" for i, hyps in enumerate(nbest) for score, text in hyps]
     if args.method == "sample":
-        # One generator for the whole shard, consumed batch after batch as in one translate call.
-        kw.update(topk=args.topk, topp=args.topp, temperature=args.temperature,
-                  generator=torch.Generator(device=next(model.parameters()).device).manual_seed(seed))
-    nbest = [[(0.0, "")] for _ in lines]
-    best = [""] * len(lines)
-    for batch in plan_batches(subword, lines, args.max_tokens, model.cfg.max_positions):
-        batch_lines = [lines[i] for i in batch]
-        if args.nbest > 1:
-            for i, hyps in zip(batch, nbest_batch(model, subword, batch_lines, args)):
-                nbest[i] = hyps
-        else:
-            texts = translate(model, subword, batch_lines, beam=args.beam, lenpen=args.lenpen,
-                              max_tokens=args.max_tokens, method=args.method, **kw)
-            for i, text in zip(batch, texts):
-                best[i] = text
-        progress.update(len(batch))
-    if args.nbest == 1:
-        return best
-    return [f"{i}\t{score:.6g}\t{text}" for i, hyps in enumerate(nbest) for score, text in hyps]
-
-
-def load_model(args, device: str):
-    """The model (eval, on ``device`` in --dtype, folded if --fold) and its subword model."""
-    import torch
-
-    from admin_ds.fold import fold_omega
-    from admin_ds.inference import optimize_for_decoding
-    from admin_ds.model_file import build_from_model_file, load_any
-
-    mf = load_any(args.checkpoint, args.tag)
-    model, subword = build_from_model_file(mf, "cpu", torch.float32)
-    if args.fold:
-        model = fold_omega(model)  # in fp32, before any cast
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    model = model.to(device=device, dtype=dtype).eval()
-    if not args.plain_linear:
-        model = optimize_for_decoding(model)  # CPU fp32 only; elsewhere a no-op
-    return model, subword
+        search.update(topk=args.topk, topp=args.topp, temperature=args.temperature, seed=seed)
+    return translate(model, subword, lines, method=args.method, beam=args.beam, lenpen=args.lenpen,
+                     max_tokens=args.max_tokens, progress=progress.update, **search)
 
 
 def main(argv=None) -> int:
@@ -185,19 +105,22 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from admin_ds import distributed
-    from admin_ds.model_file import ModelFileError
+    from admin_ds.errors import UserError
+    from admin_ds.inference.model_file import load_for_decoding
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available", file=sys.stderr)
         return 2
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     with distributed.session(device) as (rank, world):
         try:
             if device == "cuda":
                 device = f"cuda:{torch.cuda.current_device()}"
-            lines = read_input(args.input, rank, world)
-            model, subword = load_model(args, device)
-        except (ModelFileError, NotImplementedError, ValueError, OSError) as e:
+            lines = read_input(args.input, rank)
+            model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
+                                                  packed=not args.plain_linear)
+        except (UserError, NotImplementedError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
@@ -205,7 +128,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         with tqdm(total=end - start, unit="sent", desc="translate", file=sys.stderr,
                   disable=args.quiet or rank != 0) as progress:
-            outputs = translate_shard(model, subword, lines[start:end], args, args.seed + rank, progress)
+            outputs = translate_shard(model, subword, lines[start:end], args, args.seed + rank, progress, start)
         parts = distributed.gather_object(outputs)
         if rank == 0:
             results.buffer.write("".join(f"{line}\n" for part in parts for line in part).encode("utf-8"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import traceback
 from pathlib import Path
 
@@ -30,7 +29,6 @@ def free_port() -> int:
 def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    sys.path.insert(0, str(REPO))
     import torch
 
     torch.set_num_threads(1)
@@ -44,8 +42,8 @@ def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dic
         os._exit(1)  # do not wait in a collective for ranks that will never come
     from admin_ds import distributed
 
-    for trainer in _OPENED:  # engines hold process groups: release them before the teardown
-        trainer.close()
+    for training in _OPENED:  # engines hold process groups: release them before the teardown
+        training.close()
     distributed.shutdown()
 
 
@@ -82,34 +80,39 @@ def spawn(world: int, fn_name: str, out: Path, **kwargs) -> list:
 # Rank functions
 # ------------------------------------------------------------------------------------------------
 
+_OPENED: list = []  # runs set up in this rank, closed before it leaves the process group
 
-_OPENED: list = []  # trainers made in this rank, closed before it leaves the process group
 
-
-def _trainer(run_overrides: list[str], ds: dict, tmp: str):
-    from admin_ds.run_config import load_run_config
-    from admin_ds.trainer import Trainer
+def _training(run_overrides: list[str], ds: dict, tmp: str, hooks=None):
+    from admin_ds.train.loop import Training
+    from admin_ds.train.run_config import load_run_config
 
     ds_path = Path(tmp, f"ds_{os.environ['RANK']}.json")
     ds_path.write_text(json.dumps(ds))
-    run = load_run_config(None, run_overrides)
-    trainer = Trainer(run, str(ds_path))
-    _OPENED.append(trainer)
-    trainer.setup()
-    return trainer
+    training = Training(load_run_config(None, run_overrides), str(ds_path), hooks)
+    _OPENED.append(training)
+    training.setup()
+    return training
+
+
+def _checksums(state):
+    return None if state is None else {n: v.double().sum().item() for n, v in state.items()}
+
+
+def _profile(t):
+    return None if t.profile is None else {st: t.profile.omega(st) for st in ("encoder", "decoder")}
 
 
 def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, read_omega: bool = False,
                   save: bool = False) -> dict:
     """Profile (or resume), run ``updates`` updates (then save, if asked); report losses, grad
-    norms, omega, and per-parameter checksums of the single-device model's state (rank 0)."""
-    from admin_ds import engine as eng
+    norms, omega, and per-parameter checksums of the whole model's state (rank 0)."""
+    from admin_ds.train import engine as eng
 
-    t = _trainer(run_overrides, ds, tmp)
+    t = _training(run_overrides, ds, tmp)
     resumed = t.try_resume()
     if not resumed:
         t.establish_profile()
-    profile = None if t.profile is None else {st: t.profile.omega(st) for st in ("encoder", "decoder")}
     losses, norms = [], []
     for _ in range(updates):
         stats = t.train_update()
@@ -117,23 +120,23 @@ def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, re
         norms.append(stats["grad_norm"])
     omega = None
     if read_omega:
-        vals = eng.read_params(t.engine, t.omega_names())
+        engine = t.runner.engine
+        names = [n for n, _ in engine.module.named_parameters() if n.endswith("omega")]
+        vals = eng.read_params(engine, names)
         omega = {n: [lp.tolist(), None if hp is None else hp.tolist()] for n, (lp, hp) in vals.items()}
-    state = t._consolidated_state()
-    params = None if state is None else {n: v.double().sum().item() for n, v in state.items()}
+    params = _checksums(t.runner.state_dict())
     if save:
         t.save()
-    return {"losses": losses, "grad_norms": norms, "profile": profile, "omega": omega, "params": params,
+    return {"losses": losses, "grad_norms": norms, "profile": _profile(t), "omega": omega, "params": params,
             "resumed": resumed, "update": t.state.update}
 
 
 def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
     """The distributed profile plus this rank's profiling batch (to rebuild the global batch)."""
-    t = _trainer(run_overrides, ds, tmp)
-    first = t._iterator(t.train_data, shuffle=True).next_batch()
+    t = _training(run_overrides, ds, tmp)
+    first = t.profiling_batch()
     t.establish_profile()
-    return {"profile": {st: t.profile.omega(st) for st in ("encoder", "decoder")},
-            "src": first["src_tokens"].tolist(), "tgt": first["tgt_in_tokens"].tolist(),
+    return {"profile": _profile(t), "src": first["src_tokens"].tolist(), "tgt": first["tgt_in_tokens"].tolist(),
             "tokens": t.profile.tokens}
 
 
@@ -143,9 +146,9 @@ def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
 def train_and_save(run_overrides: list[str], ds: dict, tmp: str, updates: int, save_at: list = (),
                    report_at: list = ()) -> dict:
     """Resume (or profile), run ``updates`` updates, saving after those in ``save_at``; report the
-    losses, the profile's omega, and the single-device model's parameter checksums (omega
-    included) after the updates in ``report_at``."""
-    t = _trainer(run_overrides, ds, tmp)
+    losses, the profile's omega, and the whole model's parameter checksums (omega included)
+    after the updates in ``report_at``."""
+    t = _training(run_overrides, ds, tmp)
     resumed = t.try_resume()
     if not resumed:
         t.establish_profile()
@@ -155,38 +158,38 @@ def train_and_save(run_overrides: list[str], ds: dict, tmp: str, updates: int, s
         u = t.state.update
         losses[u] = stats["loss"]
         if u in report_at:
-            state = t._consolidated_state()
+            state = _checksums(t.runner.state_dict())
             if state is not None:
-                params[u] = {n: v.double().sum().item() for n, v in state.items()}
+                params[u] = state
         if u in save_at:
             t.save()
-    profile = None if t.profile is None else {st: t.profile.omega(st) for st in ("encoder", "decoder")}
-    return {"resumed": resumed, "start": start, "losses": losses, "params": params, "profile": profile}
+    return {"resumed": resumed, "start": start, "losses": losses, "params": params, "profile": _profile(t)}
 
 
 def fit_with_faults(run_overrides: list[str], ds: dict, tmp: str, fault: str) -> dict:
-    """``Trainer.fit`` with ADMIN_DS_FAULT faults; records a checksum of this rank's module
-    parameters after every update, then reloads the newest checkpoint as a resume would."""
-    from admin_ds import checkpoint as ckpt
-    from admin_ds import reliability
+    """``Training.fit`` with test faults (tests/faults.py); records a checksum of this rank's
+    module parameters after every update, then reloads the newest checkpoint as a resume would."""
+    from faults import Faults
 
-    reliability.FAULTS = reliability.Faults(fault)
-    t = _trainer(run_overrides, ds, tmp)
+    from admin_ds.train.guard import GuardState
+    from admin_ds.train.hooks import Hooks
+
+    t = _training(run_overrides, ds, tmp, hooks=Faults(fault).install(Hooks()))
     digests: dict = {}
     inner = t.train_update
 
     def recorded():
         stats = inner()
         digests.setdefault(t.state.update, []).append(
-            sum(p.detach().double().sum().item() for p in t.engine.module.parameters()))
+            sum(p.detach().double().sum().item() for p in t.runner.engine.module.parameters()))
         return stats
 
     t.train_update = recorded
     summary = t.fit()
-    t.guard.state = reliability.GuardState()  # as in a new process
-    t._restore(ckpt.newest_complete(t.ckpt_dir))
+    t.guard.state = GuardState()  # as in a new process
+    t.restore(t.checkpoints.plan_resume(t.layout, t.cfg, t.manifest))
     return {"summary": summary, "digests": digests, "reloaded_guard": t.guard.state_dict(),
-            "reloaded_lr": t.engine.get_lr()[0], "reloaded_update": t.state.update}
+            "reloaded_lr": t.runner.engine.get_lr()[0], "reloaded_update": t.state.update}
 
 
 # ---- process-group teardown (tests/test_cluster.py) -----------------------------------------------
@@ -214,3 +217,12 @@ def command_then_threads(command: str, argv: list[str]) -> dict:
 
 
 
+
+
+def stage_parameters(run_overrides: list[str], ds: dict, tmp: str) -> dict:
+    """This rank's module parameters (name -> checksum) and their element count, right after the
+    engine is built (tests/test_pipeline.py)."""
+    t = _training(run_overrides, ds, tmp)
+    params = dict(t.runner.engine.module.named_parameters())
+    return {"params": {n: p.detach().double().sum().item() for n, p in params.items()},
+            "numel": sum(p.numel() for p in params.values())}

@@ -1,4 +1,4 @@
-"""admin_ds.analysis: output change and layer dependency at initialisation (Admin paper, sec. 4).
+"""admin_ds.model.analysis: output change and layer dependency at initialisation (Admin paper, sec. 4).
 
 The qualitative claims are checked on D=64 encoders of 2..24 layers, 4 seeds x 8 perturbations of
 sigma 0.001, with margins chosen from 6 disjoint seed groups (smallest observed: Post-LN's growth
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from admin_ds.analysis import (
+from admin_ds.model.analysis import (
     analysis_config,
     build_analysis_model,
     layer_dependency,

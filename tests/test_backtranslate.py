@@ -102,7 +102,7 @@ def setup(tmp_path_factory):
 
 def _check_dir(out: Path, bitext: Path, upsample: int, tagged: bool):
     from admin_ds.data.binarize import load_manifest, open_split
-    from admin_ds.subword import SubwordModel
+    from admin_ds.data.subword import SubwordModel
 
     m = load_manifest(out)
     bt = m["backtranslation"]

@@ -1,5 +1,5 @@
-"""Tests for the generated default corpus (admin_ds.corpus) and the joint SentencePiece
-model wrapper (admin_ds.subword).
+"""Tests for the generated default corpus (admin_ds.data.corpus) and the joint SentencePiece
+model wrapper (admin_ds.data.subword).
 
 Linguistic properties are checked on the *strings* the generator emits, using the
 lexicon only to know what the right xx word is, so the tests exercise the same
@@ -18,12 +18,12 @@ import pytest
 import sacrebleu
 import sentencepiece as spm
 
-from admin_ds import corpus
-from admin_ds.corpus import (
+from admin_ds.data import corpus
+from admin_ds.data.corpus import (
     ADJECTIVES, AGREEMENT_SUFFIXES, LEXICON_SEED, PRONOUNS, SRC_LANG, TGT_LANG,
     build_lexicon, generate_corpus, write_default_corpus,
 )
-from admin_ds.subword import (
+from admin_ds.data.subword import (
     BOS, EOS, PAD, UNK, SubwordModel, VocabSizeError, train_subword_model,
 )
 

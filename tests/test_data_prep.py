@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,10 +27,9 @@ NC = DATA / "newscommentary-enfr-5k"
 MULTI30K = DATA / "multi30k"
 WRAPPER = ROOT / "data_prep" / "prepare_wmt14.sh"
 
-sys.path.insert(0, str(ROOT))
-from data_prep.clean import (DigestSet, PunctNormalizer, decode_side, length_filter,  # noqa: E402
+from data_prep.clean import (DigestSet, PunctNormalizer, decode_side, length_filter,
                              remove_non_printing)
-from data_prep.prepare import main  # noqa: E402
+from data_prep.prepare import main
 
 
 # newstest2013 as training text, a small vocabulary: the reference run most tests compare with.
@@ -128,7 +126,7 @@ def test_length_filter_is_clean_corpus_n():
 @needs_data
 def test_output_opens_for_training_and_round_trips(ende):
     from admin_ds.data.binarize import load_manifest, open_split
-    from admin_ds.subword import SubwordModel
+    from admin_ds.data.subword import SubwordModel
 
     m = load_manifest(ende)  # verifies every checksum
     assert (m["src_lang"], m["tgt_lang"]) == ("en", "de")

@@ -1,4 +1,4 @@
-"""Tests for admin_ds.evaluate and launch/evaluate.py against independent references.
+"""Tests for admin_ds.inference.scoring and launch/evaluate.py against independent references.
 
 The numbers are checked against tools the field actually reports with, not against ourselves:
 
@@ -32,9 +32,8 @@ from shared_data import data_file
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "launch" / "evaluate.py"
 
-sys.path.insert(0, str(REPO))
 
-from admin_ds.evaluate import (  # noqa: E402
+from admin_ds.inference.scoring import (
     compound_split,
     format_table,
     moses_tokenize,

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from admin_ds.config import ConfigError, admin_constant_omega, deepnorm_constants, tfixup_constants
+from admin_ds.model.config import ConfigError, admin_constant_omega, deepnorm_constants, tfixup_constants
 from admin_ds.fold import fold_omega
-from admin_ds.model import IncrementalState, build_model
+from admin_ds.model import build_model
+from admin_ds.model.layers import IncrementalState
 from admin_ds.presets import PRESET_NAMES, get_preset, parameter_count
 from admin_ds.profiling import Profile, profile_omega
 
@@ -66,7 +67,9 @@ def hand_profile(model, src, tgt, formula):
         enc, enc_omega = run_chain(model.src_embed(src), enc_steps)
         dec_steps = []
         for L in model.decoder_layers:
-            dec_steps += [(lambda h, L=L: L.self_attn(h, causal=True), L.self_attn_layer_norm),
+            # fairseq's decoder masks padded target keys in self-attention (self_attn_padding_mask)
+            dec_steps += [(lambda h, L=L: L.self_attn(h, key_padding_mask=tgt.eq(PAD), causal=True),
+                           L.self_attn_layer_norm),
                           (lambda h, L=L: L.encoder_attn(h, enc, key_padding_mask=src_pad),
                            L.encoder_attn_layer_norm),
                           (L.ffn, L.final_layer_norm)]
@@ -86,7 +89,7 @@ def test_profile_formulas_match_hand_computation(formula):
     np.testing.assert_allclose(prof.omega("decoder"), want_dec, rtol=1e-5)
     assert len(want_enc) == 8 and len(want_dec) == 9
     # omega grows along each chain (the point of Admin) and was written into the model
-    assert want_enc[-1] > 1.5 and want_dec[-1] > 1.5
+    assert want_enc[-1] > max(want_enc[1], 1.0) and want_dec[-1] > max(want_dec[1], 1.0)
     for name, p in model.named_parameters():
         if name.endswith("omega"):
             assert torch.all(p == p[0])

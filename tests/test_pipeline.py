@@ -45,7 +45,7 @@ def test_pipeline_by_data_parallel_grid_profiles_like_one_process(tmp_path, data
     profiling the two micro-batches concatenated (dropout off, padding masked)."""
     from admin_ds.model import build_model
     from admin_ds.profiling import profile_omega
-    from admin_ds.run_config import load_run_config
+    from admin_ds.train.run_config import load_run_config
 
     ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, "--admin.mask_padding=true")
     res = spawn(4, "profile_only", tmp_path / "out", run_overrides=ov, ds={**PIPE, "gradient_accumulation_steps": 1},
@@ -57,9 +57,9 @@ def test_pipeline_by_data_parallel_grid_profiles_like_one_process(tmp_path, data
     src = torch.tensor(pad(res[0]["src"], ws) + pad(res[1]["src"], ws))
     tgt = torch.tensor(pad(res[0]["tgt"], wt) + pad(res[1]["tgt"], wt))
     run = load_run_config(None, ov)
-    torch.manual_seed(run.train.seed)
     vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
-    single = profile_omega(build_model(run.model.build(vocab_size=vocab)), (src, tgt), mask_padding=True)
+    single = profile_omega(build_model(run.model.build(vocab_size=vocab), seed=run.train.seed), (src, tgt),
+                           mask_padding=True)
     for stack in ("encoder", "decoder"):
         assert rel(res[0]["profile"][stack], single.omega(stack)) <= 1e-6, stack
     assert res[0]["tokens"] == single.tokens
@@ -92,11 +92,11 @@ def test_pipeline_save_and_resume_continue_identically(tmp_path, data_dir):
 
 
 def test_pipeline_refusals():
-    from admin_ds.config import ConfigError
-    from admin_ds.engine import resolve_ds_config
-    from admin_ds.pipeline import layer_costs, partition
+    from admin_ds.model.config import ConfigError
+    from admin_ds.train.engine import resolve_ds_config
+    from admin_ds.train.pipeline import layer_costs, partition
     from admin_ds.presets import get_preset
-    from admin_ds.run_config import load_run_config
+    from admin_ds.train.run_config import load_run_config
 
     run = load_run_config(None, [])
     with pytest.raises(ConfigError, match="zero_optimization.stage=2 with engine.pipeline_stages=2"):
@@ -109,14 +109,14 @@ def test_pipeline_refusals():
         resolve_ds_config({"pipeline": {"stages": 2}}, run, world=4)
     cfg = get_preset("debug-tiny")
     kinds = ["embed"] + ["encoder"] * 2 + ["embed_tgt"] + ["decoder"] * 2 + ["project"]
-    with pytest.raises(ConfigError, match="exceeds the 7 entries of the layer list"):
+    with pytest.raises(ConfigError, match="exceeds the 7 steps of the forward pass"):
         partition(layer_costs(cfg, kinds), 8)
 
 
 def test_cost_balanced_partition_of_60L_12L():
     """The chosen boundaries for the paper's 60L-12L (vocabulary 32k) on 2 and 4 stages: stage
     costs within one layer of each other, decoder layers and the projection weighed by cost."""
-    from admin_ds.pipeline import layer_costs, partition
+    from admin_ds.train.pipeline import layer_costs, partition
     from admin_ds.presets import get_preset
 
     cfg = get_preset("admin-60L-12L", vocab_size=32768)
@@ -138,7 +138,7 @@ def test_pipeline_checkpoint_averages_and_exports_like_data_parallel(tmp_path, d
     import subprocess
     import sys
 
-    from admin_ds.model_file import load_run_checkpoint
+    from admin_ds.inference.model_file import load_run_checkpoint
     from distributed import REPO
 
     run = tmp_path / "run"
@@ -159,3 +159,79 @@ def test_pipeline_checkpoint_averages_and_exports_like_data_parallel(tmp_path, d
                           "--input", str(src), "--beam", "2", "--quiet"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(out.stdout.splitlines()) == 2
+
+
+# ---- one model for every layout -------------------------------------------------------------------
+
+
+class Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the elements of every real (not meta) tensor created by an ``empty*`` operation: the
+    storage of parameters and buffers, whether built directly or materialised from the meta device."""
+
+    EMPTY = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+             torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+             torch.ops.aten.new_empty_strided.default}
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.EMPTY and isinstance(out, torch.Tensor) and out.device.type != "meta":
+            self.elements += out.numel()
+        return out
+
+
+def test_a_stage_holds_only_its_layers_with_the_whole_models_names_and_weights():
+    """A 4-stage 24L-24L pipeline: each stage allocates its share of the layers plus the embedding
+    (and the small position table), never the whole model; its parameters have the single-device
+    model's names and values (per-layer generators); together the stages hold every parameter once,
+    except the tied embedding, which every stage that embeds or projects holds."""
+    from admin_ds.model import build_model, count_parameters, get_preset
+    from admin_ds.train.pipeline import PipelineStage
+
+    cfg = get_preset("debug-tiny", num_encoder_layers=24, num_decoder_layers=24)
+    whole = build_model(cfg, seed=7).state_dict()
+    embedding = whole["src_embed.weight"].numel()
+    table = (cfg.max_positions + cfg.pad_idx + 1) * cfg.model_dim
+    layers = count_parameters(build_model(cfg, device="meta")) - embedding
+    decoder_layer = sum(v.numel() for k, v in whole.items() if k.startswith("decoder_layers.0."))
+    seen = set()
+    for stage_id in range(4):
+        counter = Allocations()
+        with counter:
+            stage = PipelineStage(cfg, seed=7, num_stages=4, stage_id=stage_id)
+        state = stage.model.state_dict()
+        mine = sum(v.numel() for k, v in state.items() if k != "src_embed.weight")
+        assert mine <= layers / 4 + decoder_layer, (stage_id, mine, layers / 4)
+        assert counter.elements <= mine + embedding + table, (stage_id, counter.elements, mine)
+        assert counter.elements < sum(v.numel() for v in whole.values()) / 2
+        for name, value in state.items():
+            assert torch.equal(value, whole[name]), (stage_id, name)
+        seen |= set(state)
+    assert seen == set(whole)
+
+
+def test_four_ranks_build_their_stages_from_the_same_names(tmp_path, data_dir):
+    """Real ranks and DeepSpeed's pipeline engine: every rank's module parameters are its stage's
+    slice of the single-device model, by name and value, and no rank holds more than its share."""
+    from admin_ds.model import build_model
+    from admin_ds.train.run_config import load_run_config
+
+    ov = overrides(tmp_path / "run", data_dir, "--model.num_encoder_layers=24", "--model.num_decoder_layers=24")
+    res = spawn(4, "stage_parameters", tmp_path / "out", run_overrides=ov,
+                ds={"pipeline": {"stages": 4}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 4},
+                tmp=str(tmp_path))
+    run = load_run_config(None, ov)
+    vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    whole = {k: v.double().sum().item() for k, v in
+             build_model(run.model.build(vocab_size=vocab), seed=run.train.seed).named_parameters()}
+    held = {}
+    for r in res:
+        for name, checksum in r["params"].items():
+            assert checksum == pytest.approx(whole[name], rel=1e-12, abs=1e-12), name
+            held[name] = held.get(name, 0) + 1
+    assert set(held) == set(whole)
+    assert all(n == 1 for name, n in held.items() if name != "src_embed.weight")
+    assert max(r["numel"] for r in res) < sum(r["numel"] for r in res) / 2

@@ -58,7 +58,7 @@ def test_distributed_profile_equals_single_process_profile(tmp_path, data_dir):
     concatenated batch (dropout off; padding masked, since the two layouts pad differently)."""
     from admin_ds.model import build_model
     from admin_ds.profiling import profile_omega
-    from admin_ds.run_config import load_run_config
+    from admin_ds.train.run_config import load_run_config
 
     ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, "--admin.mask_padding=true")
     res = spawn(2, "profile_only", tmp_path / "out", run_overrides=ov, ds=ZERO[1], tmp=str(tmp_path))
@@ -69,9 +69,8 @@ def test_distributed_profile_equals_single_process_profile(tmp_path, data_dir):
     src = torch.tensor(pad(res[0]["src"], width_s) + pad(res[1]["src"], width_s))
     tgt = torch.tensor(pad(res[0]["tgt"], width_t) + pad(res[1]["tgt"], width_t))
     run = load_run_config(None, ov)
-    torch.manual_seed(run.train.seed)
     manifest = json.loads((data_dir / "manifest.json").read_text())
-    model = build_model(run.model.build(vocab_size=manifest["vocab_size"]))
+    model = build_model(run.model.build(vocab_size=manifest["vocab_size"]), seed=run.train.seed)
     single = profile_omega(model, (src, tgt), mask_padding=True)
     for stack in ("encoder", "decoder"):
         assert rel(res[0]["profile"][stack], single.omega(stack)) <= 1e-6, stack
@@ -182,9 +181,9 @@ def test_refused_configurations(tmp_path, ds, extra, message):
 
 
 def test_zero2_with_pipeline_is_refused():
-    from admin_ds.config import ConfigError
-    from admin_ds.engine import resolve_ds_config
-    from admin_ds.run_config import load_run_config
+    from admin_ds.model.config import ConfigError
+    from admin_ds.train.engine import resolve_ds_config
+    from admin_ds.train.run_config import load_run_config
 
     run = load_run_config(None, ["--engine.pipeline_stages=2"])
     with pytest.raises(ConfigError, match="zero_optimization.stage=2 with engine.pipeline_stages=2"):
@@ -218,7 +217,7 @@ def test_default_main_job_under_the_deepspeed_launcher(tmp_path):
 
 
 def test_paper_run_configs_load():
-    from admin_ds.run_config import load_run_config
+    from admin_ds.train.run_config import load_run_config
 
     configs = sorted((REPO / "launch/configs").glob("*.yaml"))
     assert len(configs) >= 8

@@ -13,7 +13,6 @@ whose checksum differs from the manifest is refused when the directory is opened
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -23,20 +22,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from admin_ds import atomic
+from admin_ds import files
 from admin_ds.data.indexed import IndexedDataset, IndexedDatasetWriter, ParallelDataset
 
 MANIFEST = "manifest.json"
 FORMAT = "admin-ds-data"
 VERSION = 1
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def binarize_lines(subword, lines: Iterable[str], prefix: str | os.PathLike, chunk_lines: int = 20000) -> dict:
@@ -65,8 +56,8 @@ def write_manifest(data_dir: str | os.PathLike, manifest: dict) -> Path:
     data_dir = Path(data_dir)
     manifest = dict(manifest, format=FORMAT, version=VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
                     versions={"python": platform.python_version(), **_package_versions()})
-    manifest["files"] = {name: sha256_file(data_dir / name) for name in sorted(manifest["files"])}
-    atomic.write_text(data_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    manifest["files"] = {name: files.sha256_file(data_dir / name) for name in sorted(manifest["files"])}
+    files.write_text(data_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return data_dir / MANIFEST
 
 
@@ -97,7 +88,7 @@ def load_manifest(data_dir: str | os.PathLike, verify: bool = True) -> dict:
         f = data_dir / name
         if not f.is_file():
             raise FileNotFoundError(f"{data_dir}: {name} is listed in {MANIFEST} but missing")
-        if verify and sha256_file(f) != digest:
+        if verify and files.sha256_file(f) != digest:
             raise ValueError(f"{data_dir}: {name} does not match its checksum in {MANIFEST} "
                              "(modified or corrupt; re-run the data preparation)")
     return manifest
@@ -115,8 +106,8 @@ def prepare_default_data(out_dir: str | os.PathLike, n_pairs: int = 30000, vocab
                          seed: int = 1234, log=print) -> Path:
     """The embedded default: a generated corpus (corpus.py), a joint SentencePiece model trained on
     its training split, binarized splits and a manifest. Skipped when already complete."""
-    from admin_ds.corpus import SRC_LANG, TGT_LANG, write_default_corpus
-    from admin_ds.subword import SubwordModel, train_subword_model
+    from admin_ds.data.corpus import SRC_LANG, TGT_LANG, write_default_corpus
+    from admin_ds.data.subword import SubwordModel, train_subword_model
 
     out = Path(out_dir)
     if (out / MANIFEST).is_file():
@@ -132,14 +123,14 @@ def prepare_default_data(out_dir: str | os.PathLike, n_pairs: int = 30000, vocab
     t0 = time.perf_counter()
     n_eval = max(200, min(1000, n_pairs // 30))
     corpus = write_default_corpus(out, n_train=n_pairs, n_valid=n_eval, n_test=n_eval, seed=seed)
-    files = corpus["files"]
-    train_subword_model([files["train"][SRC_LANG], files["train"][TGT_LANG]], out / "spm", vocab_size, seed=seed)
+    texts = corpus["files"]
+    train_subword_model([texts["train"][SRC_LANG], texts["train"][TGT_LANG]], out / "spm", vocab_size, seed=seed)
     spm = SubwordModel(out / "spm.model")
     splits, listed = {}, ["spm.model"]
     for split in ("train", "valid", "test"):
         stats = {}
         for lang in (SRC_LANG, TGT_LANG):
-            stats[lang] = binarize_lines(spm, read_text(files[split][lang]), out / f"{split}.{lang}")
+            stats[lang] = binarize_lines(spm, read_text(texts[split][lang]), out / f"{split}.{lang}")
             listed += [f"{split}.{lang}.bin", f"{split}.{lang}.idx"]
         splits[split] = {"lines": stats[SRC_LANG]["lines"], "src_tokens": stats[SRC_LANG]["tokens"],
                          "tgt_tokens": stats[TGT_LANG]["tokens"]}

@@ -24,7 +24,6 @@ Public API: :func:`train_subword_model`, :class:`SubwordModel`,
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -33,7 +32,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
-from admin_ds import atomic
+from admin_ds import files
 
 __all__ = [
     "BOS", "PAD", "EOS", "UNK",
@@ -121,10 +120,10 @@ def train_subword_model(
     """
     if isinstance(input_files, (str, os.PathLike)):
         input_files = [input_files]  # a lone path, not an iterable of characters
-    files = [Path(f) for f in input_files]
-    if not files:
+    inputs = [Path(f) for f in input_files]
+    if not inputs:
         raise ValueError("input_files is empty")
-    for f in files:
+    for f in inputs:
         if not f.is_file():
             raise FileNotFoundError(f"subword training input not found: {f}")
     if model_type not in MODEL_TYPES:
@@ -151,7 +150,7 @@ def train_subword_model(
     proto = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            input=[str(f) for f in files],
+            input=[str(f) for f in inputs],
             model_writer=proto,
             vocab_size=vocab_size,
             model_type=model_type,
@@ -167,7 +166,7 @@ def train_subword_model(
             minloglevel=0 if verbose else 1,
         )
     except RuntimeError as e:
-        raise _explain_training_error(e, vocab_size, files) from e
+        raise _explain_training_error(e, vocab_size, inputs) from e
     model_bytes = proto.getvalue()
 
     # The same "piece<TAB>score" listing SentencePiece writes, for humans and tools.
@@ -177,15 +176,15 @@ def train_subword_model(
     # .vocab first: once the .model (the file consumers look for) exists, both are
     # complete.  (String concatenation, not with_suffix: "spm.joint" contains a dot.)
     model_path = Path(f"{final_prefix}.model")
-    atomic.write_bytes(f"{final_prefix}.vocab", vocab_text.encode("utf-8"))
-    atomic.write_bytes(model_path, model_bytes)
+    files.write_bytes(f"{final_prefix}.vocab", vocab_text.encode("utf-8"))
+    files.write_bytes(model_path, model_bytes)
     return model_path
 
 
-def _explain_training_error(err: RuntimeError, vocab_size: int, files: list[Path]) -> Exception:
+def _explain_training_error(err: RuntimeError, vocab_size: int, inputs: list[Path]) -> Exception:
     """Turn SentencePiece's terse vocabulary-size failures into actionable errors."""
     msg = str(err)
-    corpus = ", ".join(str(f) for f in files)
+    corpus = ", ".join(str(f) for f in inputs)
     if m := _TOO_HIGH.search(msg):
         limit = int(m.group(2))
         return VocabSizeError(
@@ -215,7 +214,7 @@ class SubwordModel:
         # Load from the same bytes we hash, so the hash is the hash of what is loaded
         # even if the file is replaced concurrently.
         data = self.path.read_bytes()
-        self.sha256: str = hashlib.sha256(data).hexdigest()
+        self.sha256: str = files.sha256_bytes(data)
         self.num_threads = num_threads
         self._sp = spm.SentencePieceProcessor()
         try:

@@ -1,10 +1,8 @@
-"""Configuration dataclasses.
+"""What the encoder-decoder is: ``ModelConfig``, and the constants of the initialisations that
+depend only on depth (admin-torch's omega, DeepNorm's alpha/beta, T-Fixup's scales).
 
-One tree, parsed once: defaults < YAML file < command line (``--section.key=value``), validated
-and then treated as frozen. Each module receives only its own section. The DeepSpeed JSON says
-*how* to run (ZeRO stage, precision, micro-batch); this tree says *what* to train.
-
-This file holds the model section; the training sections live in ``run_config.py``.
+The training run's configuration tree (admin_ds/train/run_config.py) holds a preset name plus
+overrides of these fields; the model package never sees the rest of that tree.
 """
 
 from __future__ import annotations
@@ -15,13 +13,11 @@ import json
 import math
 from dataclasses import dataclass, fields
 
+from admin_ds.errors import ConfigError
+
 NORM_ORDERS = ("post", "pre")
 INITS = ("default", "admin", "admin-constant", "deepnorm", "t-fixup")
 ACTIVATIONS = ("relu", "gelu")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
 
 
 @dataclass

@@ -58,11 +58,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from admin_ds.config import ModelConfig
-from admin_ds.model import EncoderDecoder, FeedForward, MultiheadAttention, build_model
-from admin_ds.presets import get_preset
-from admin_ds.profiling import profile_omega
-from admin_ds.residual import Residual, attach_recorder
+from admin_ds.model.config import ModelConfig
+from admin_ds.model.layers import FeedForward, MultiheadAttention
+from admin_ds.model.presets import get_preset
+from admin_ds.model.profiling import profile_omega
+from admin_ds.model.residual import Residual, attach_recorder
+from admin_ds.model.transformer import EncoderDecoder, build_model
 
 # The initialisations one can compare: name -> ModelConfig overrides.
 INIT_VARIANTS: dict[str, dict] = {

@@ -1,15 +1,17 @@
-"""The encoder-decoder Transformer, on one device, in the order data flows through it.
+"""The Transformer's building blocks, in the order data flows through them: embeddings with
+sinusoidal positions, attention (with the incremental state decoding keeps), the feed-forward
+block, and the encoder and decoder layers. transformer.py assembles them into the model.
 
-fairseq-compatible: scaled token embeddings plus sinusoidal positions, shared source/target/output
-embeddings over a joint vocabulary, Post-LN (or Pre-LN) layers, ReLU FFN, decoder input starting
-with EOS. Residual connections, LayerNorm placement and initialisation come from an ``InitScheme``
-(init.py), because they are the experiment: Post-LN, Pre-LN, Admin, DeepNorm and T-Fixup differ
-there and nowhere else.
+fairseq-compatible: scaled token embeddings plus sinusoidal positions, Post-LN (or Pre-LN) layers,
+ReLU FFN. Residual connections and LayerNorm placement come from an ``InitScheme`` (init.py),
+because they are the experiment: Post-LN, Pre-LN, Admin, DeepNorm and T-Fixup differ there and
+nowhere else. Weights are drawn by the scheme, not here: every module is built on the meta device
+first (transformer.py), so construction draws no random numbers and allocates nothing.
 
 Shapes:  B batch, S source length, T target length, D model_dim, H heads, Dh = D / H,
-         F ffn_inner_dim, V vocabulary. Activations are batch-first (B, T, D).
+         F ffn_inner_dim, V vocabulary, N real (non-pad) tokens. Activations are batch-first.
 
-This file imports torch and residual.py only: no deepspeed, no torch.distributed.
+This file imports torch, config.py and residual.py only: no deepspeed, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from admin_ds.config import ModelConfig
-from admin_ds.residual import Residual
+from admin_ds.model.config import ModelConfig
+from admin_ds.model.residual import Residual
 
 NEG_INF = -math.inf
 
@@ -66,6 +68,13 @@ class TokenEmbedding(nn.Module):
         self.register_buffer(
             "positions", sinusoidal_table(cfg.max_positions + cfg.pad_idx + 1, cfg.model_dim, cfg.pad_idx),
             persistent=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The position table again (a module built on the meta device has none); the weight is
+        drawn by the initialisation scheme."""
+        n, d = self.positions.shape
+        self.positions.copy_(sinusoidal_table(n, d, self.pad_idx))
 
     def forward(self, tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         """(B, L) int64 -> (B, L, D). position_offset > 0 during incremental decoding."""
@@ -204,6 +213,10 @@ class MultiheadAttention(nn.Module):
             if unpadded is not None:
                 q, k, v = unpadded.pad(q), unpadded.pad(k), unpadded.pad(v)
             mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
+            if causal and mask is not None:  # SDPA takes a mask or is_causal, not both
+                t = q.size(-2)
+                mask = mask & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+                causal = False
             out = F.scaled_dot_product_attention(
                 self._heads(q), self._heads(k), self._heads(v), attn_mask=mask, is_causal=causal,
                 dropout_p=self.dropout_p if self.training else 0.0)
@@ -344,104 +357,12 @@ class DecoderLayer(_SubLayers):
         self.ffn_residual = scheme.make_residual(d, "decoder", base + 3)
 
     def forward(self, y: torch.Tensor, enc: torch.Tensor, src_pad: Optional[torch.Tensor],
-                state: Optional[IncrementalState] = None) -> torch.Tensor:
-        y = self.sublayer(y, lambda h: self.self_attn(h, causal=True, state=state),
+                state: Optional[IncrementalState] = None, tgt_pad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y (B, T, D); ``tgt_pad`` (B, T) True at target padding: fairseq's decoder masks padded
+        keys in self-attention too. Real positions never see them (right padding, causal), but the
+        padded positions' outputs differ, and Admin's reference profiling counts them."""
+        y = self.sublayer(y, lambda h: self.self_attn(h, key_padding_mask=tgt_pad, causal=True, state=state),
                           self.self_attn_layer_norm, self.self_attn_residual)
         y = self.sublayer(y, lambda h: self.encoder_attn(h, enc, key_padding_mask=src_pad, state=state),
                           self.encoder_attn_layer_norm, self.encoder_attn_residual)
         return self.sublayer(y, self.ffn, self.final_layer_norm, self.ffn_residual)
-
-
-# --------------------------------------------------------------------------------------------
-# The sequence-to-sequence model
-# --------------------------------------------------------------------------------------------
-
-
-class EncoderDecoder(nn.Module):
-    """``model(src_tokens (B,S), tgt_in_tokens (B,T)) -> logits (B,T,V)``.
-
-    For decoding: ``enc, src_pad = model.encode(src)``, then repeatedly
-    ``model.decode(tokens (B,1), enc, src_pad, state)`` with one ``IncrementalState``.
-    """
-
-    def __init__(self, cfg: ModelConfig, scheme) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.pad_idx = cfg.pad_idx
-        self.src_embed = TokenEmbedding(cfg)
-        # A shared matrix is registered once (src_embed) so every engine sees one parameter.
-        self.tgt_embed = None if cfg.share_all_embeddings else TokenEmbedding(cfg)
-        self.output_proj = None
-        if not cfg.share_all_embeddings and not cfg.share_decoder_input_output_embed:
-            self.output_proj = nn.Linear(cfg.model_dim, cfg.vocab_size, bias=False)
-        if cfg.embedding_output_scale:
-            self.src_embed_scale = nn.Parameter(torch.ones(cfg.model_dim))
-            self.tgt_embed_scale = nn.Parameter(torch.ones(cfg.model_dim))
-        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg, i, scheme) for i in range(cfg.num_encoder_layers))
-        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, i, scheme) for i in range(cfg.num_decoder_layers))
-        # Pre-LN needs a final LayerNorm per stack; Post-LN already ends in one.
-        pre = cfg.norm_order == "pre"
-        self.encoder_layer_norm = nn.LayerNorm(cfg.model_dim) if pre else None
-        self.decoder_layer_norm = nn.LayerNorm(cfg.model_dim) if pre else None
-        self.scheme = scheme
-        scheme.initialize(self)
-
-    @property
-    def target_embedding(self) -> TokenEmbedding:
-        return self.src_embed if self.tgt_embed is None else self.tgt_embed
-
-    def encode(self, src_tokens: torch.Tensor, skip_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, S) -> encoder output (B, S, D) and the padding mask (B, S), True at padding.
-
-        ``skip_padding`` (decoding): position-wise layers run on the real tokens only, and the
-        output is zero at padding (which attention never reads) instead of the values the padded
-        computation leaves there. Real positions are the same either way."""
-        src_pad = src_tokens.eq(self.pad_idx)
-        x = self.src_embed(src_tokens)
-        if self.cfg.embedding_output_scale:
-            x = x * self.src_embed_scale
-        x = F.dropout(x, self.cfg.dropout_p, self.training)
-        unpadded = Unpadded(src_pad) if skip_padding and bool(src_pad.any()) else None
-        if unpadded is not None:
-            x = unpadded.unpad(x)
-        for layer in self.encoder_layers:
-            x = layer(x, src_pad, unpadded)
-        if self.encoder_layer_norm is not None:
-            x = self.encoder_layer_norm(x)
-        return (x if unpadded is None else unpadded.pad(x)), src_pad
-
-    def decode(self, tgt_in_tokens: torch.Tensor, enc: torch.Tensor, src_pad: torch.Tensor,
-               state: Optional[IncrementalState] = None) -> torch.Tensor:
-        """(B, T) target-side input -> logits (B, T, V). With ``state``, tgt_in_tokens holds only
-        the new position(s); their positions continue from ``state.length``."""
-        offset = 0 if state is None else state.length
-        y = self.target_embedding(tgt_in_tokens, position_offset=offset)
-        if self.cfg.embedding_output_scale:
-            y = y * self.tgt_embed_scale
-        y = F.dropout(y, self.cfg.dropout_p, self.training)
-        for layer in self.decoder_layers:
-            y = layer(y, enc, src_pad, state)
-        if self.decoder_layer_norm is not None:
-            y = self.decoder_layer_norm(y)
-        if state is not None:
-            state.length += tgt_in_tokens.size(1)
-        if self.output_proj is not None:
-            return self.output_proj(y)
-        return self.target_embedding.project(y)
-
-    def forward(self, src_tokens: torch.Tensor, tgt_in_tokens: torch.Tensor) -> torch.Tensor:
-        enc, src_pad = self.encode(src_tokens)
-        return self.decode(tgt_in_tokens, enc, src_pad)
-
-
-def build_model(cfg: ModelConfig) -> EncoderDecoder:
-    """Build the model of ``cfg`` with its initialisation scheme (init.py). Seed torch first for
-    reproducible weights."""
-    from admin_ds.init import get_init_scheme  # init.py imports this module's classes
-
-    return EncoderDecoder(cfg, get_init_scheme(cfg))
-
-
-def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
-    """Parameters counted once each (a tied embedding is one matrix)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

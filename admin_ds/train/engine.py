@@ -1,17 +1,21 @@
-"""DeepSpeed, applied from outside: the only module that imports deepspeed.
+"""DeepSpeed, applied from outside: where engines are built and their internals touched.
 
-It turns a plain ``nn.Module`` and our run config plus a DeepSpeed JSON into an engine, and owns
-the few operations that must know about DeepSpeed's internals:
+It turns a plain ``nn.Module`` (or a pipeline stage's module, pipeline.py) and our run config plus
+a DeepSpeed JSON into an engine, and owns the few operations that must know DeepSpeed's internals:
 
 * ``resolve_ds_config`` -- the JSON says how to run (ZeRO stage, precision, accumulation), our
   config says what to train (optimizer, schedule, clipping, tokens per micro-batch). A value set in
   both places, an unresolved "auto", or a batch triplet that does not multiply out is refused
   before any work, naming the field.
-* ``write_omega`` -- omega written after ``deepspeed.initialize`` must reach every copy: the
-  module's (possibly bf16) tensor, and the optimizer's fp32 master copy. Writing only the module
-  tensor is silently undone at the first step, when ZeRO copies the masters back (DESIGN.md
-  decision 3; DEEPSPEED_NOTES.md section 2).
-* checkpoint primitives and the consolidated state dict (ZeRO-3 keeps only partitions).
+* ``write_omega`` -- the one writer of omega into an engine. Omega written after
+  ``deepspeed.initialize`` must reach every copy: the module's (possibly bf16) tensor, and the
+  optimizer's fp32 master copy. Writing only the module tensor is silently undone at the first
+  step, when ZeRO copies the masters back (docs/design.md, decision 3; docs/deepspeed.md).
+* reading parameters back, and the consolidated state dict (ZeRO-3 keeps only partitions).
+
+Elsewhere DeepSpeed is used only where its own piece is the point: ``init_distributed`` in
+distributed.py, ``PipelineModule`` in pipeline.py, the universal converter in checkpoints.py and
+the ZeRO checkpoint readers in admin_ds/inference/model_file.py.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -29,9 +32,8 @@ import torch.distributed as dist
 import deepspeed
 from deepspeed.accelerator import get_accelerator
 
-from admin_ds.config import ConfigError
-from admin_ds.distributed import (all_reduce_sum, barrier, broadcast_object, init, rank,  # noqa: F401
-                                  world_layout, world_size)
+from admin_ds.distributed import init, rank
+from admin_ds.errors import ConfigError
 
 # Keys of the DeepSpeed JSON that belong to the run config: refusing them keeps one owner per value.
 _OWNED_BY_RUN_CONFIG = {
@@ -164,6 +166,13 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def layout(ds: dict, pipeline_stages: int, world: int) -> dict:
+    """The run's layout, as checkpoints record it (known before the engine is built)."""
+    return {"world_size": world, "data_parallel": world // pipeline_stages, "pipeline": pipeline_stages,
+            "zero": zero_stage(ds), "precision": precision(ds),
+            "gradient_accumulation_steps": ds["gradient_accumulation_steps"]}
+
+
 # ------------------------------------------------------------------------------------------------
 # Optimizer and schedule (client objects: DeepSpeed has no RAdam preset nor inverse-sqrt schedule)
 # ------------------------------------------------------------------------------------------------
@@ -275,15 +284,22 @@ def consolidated_state_dict(engine) -> Optional[dict]:
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
-def ds_to_universal(tag_dir: str, out_dir: str, num_workers: int = 2) -> None:
-    """DeepSpeed's own converter to the universal (layout-free) checkpoint format."""
-    from deepspeed.checkpoint import ds_to_universal as conv
+def write_omega(engine, profile, buffers_only: bool = False) -> None:
+    """Write ``profile``'s omega into the engine's module (any ZeRO stage, any layout: the module is
+    the whole model or a pipeline stage) and the optimizer's fp32 masters, then check that every
+    rank holds the same profile. Collective. ``buffers_only``: a fixed (buffer) omega only, after
+    a universal load, which restores parameters (trained omega included) but not buffers."""
+    from admin_ds.model.profiling import omega_values
 
-    argv = ["--input_folder", tag_dir, "--output_folder", out_dir,
-            "--num_extract_workers", str(num_workers), "--num_merge_workers", str(num_workers)]
-    saved = sys.argv
-    try:
-        sys.argv = ["ds_to_universal"] + argv
-        conv.main(conv.parse_arguments())
-    finally:
-        sys.argv = saved
+    values = omega_values(profile, engine.module)
+    if buffers_only:
+        buffers = dict(engine.module.named_buffers())
+        values = {k: v for k, v in values.items() if k in buffers}
+    write_params(engine, values)
+    # Identical on every rank: gather a digest of the whole profile and compare.
+    digest = torch.tensor([sum(s.omega * (i + 1) for i, s in enumerate(profile.sublayers))], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [torch.zeros_like(digest) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, digest)
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            raise RuntimeError("omega differs between ranks after profiling")

@@ -23,8 +23,9 @@ from typing import Any, Optional
 
 import yaml
 
-from admin_ds.config import ConfigError, ModelConfig
-from admin_ds.presets import PRESET_NAMES, get_preset
+from admin_ds.errors import ConfigError
+from admin_ds.model.config import ModelConfig
+from admin_ds.model.presets import PRESET_NAMES, get_preset
 
 
 @dataclass
@@ -108,7 +109,7 @@ class EngineSection:
 
 @dataclass
 class GuardSection:
-    """The divergence guard (admin_ds/reliability.py): non-finite updates are skipped and
+    """The divergence guard (admin_ds/train/guard.py): non-finite updates are skipped and
     counted; too many in a row, or a loss spike, roll back to the newest complete checkpoint
     with the learning rate lowered."""
     max_consecutive_nonfinite: int = 5  # roll back after this many skipped updates in a row; 0: never

@@ -24,20 +24,21 @@ weights come from DeepSpeed's own consolidation, which knows every layout it wri
   holds 16-bit copies; the fp32 masters are then the optimizer's ``fp32_groups`` (one list of
   tensors per parameter group, in the order the parameters were given to the optimizer:
   ``model.parameters()`` with requires_grad, see engine.initialize), matched by name and shape.
-* pipeline checkpoints (``layout.pipeline > 1``) hold per-layer files, which zero_to_fp32 cannot
-  read: DeepSpeed's universal converter extracts the fp32 masters, whose pipeline names are mapped
-  back to the single-device model's (pipeline.model_state_from_pipeline).
+* pipeline checkpoints (``layout.pipeline > 1``) hold per-stage files, which zero_to_fp32 cannot
+  read: DeepSpeed's universal converter extracts the fp32 masters, under the model's own names.
 
 DeepSpeed stays out of the training-free path: loading a model file never imports it, and
 ``load_run_checkpoint`` imports only its checkpoint-reading utilities, inside the function.
-(engine.py remains the one owner of training-time DeepSpeed; consolidating a finished checkpoint
-is reading files, not running an engine.)
+(admin_ds/train/engine.py remains the one owner of training-time DeepSpeed; consolidating a
+finished checkpoint is reading files, not running an engine.)
+
+``load_for_decoding`` is the one way every translating command (translate.py, back-translation,
+the decoding benchmark) gets a model: from a model file, a run directory or a checkpoint tag.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -52,8 +53,9 @@ from typing import Optional
 
 import torch
 
-from admin_ds import atomic
-from admin_ds.config import ModelConfig
+from admin_ds import files
+from admin_ds.errors import CheckpointError
+from admin_ds.model.config import ModelConfig
 
 FORMAT = "admin-ds-model"
 VERSION = 1
@@ -64,8 +66,7 @@ _CLIENT_STATE_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_
 _HINT = "; for a DeepSpeed checkpoint pass its run directory or its update_NNNNNN directory"
 
 
-class ModelFileError(ValueError):
-    """A model file or checkpoint cannot be used; the message names the path and the reason."""
+ModelFileError = CheckpointError  # the name callers knew; a model file is a checkpoint too
 
 
 @dataclass
@@ -79,7 +80,7 @@ class ModelFile:
 
     @property
     def subword_sha256(self) -> str:
-        return hashlib.sha256(self.subword_model_bytes).hexdigest()
+        return files.sha256_bytes(self.subword_model_bytes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ def save_model_file(path: str | os.PathLike, model_config: ModelConfig, state_di
             "subword_model": bytes(subword_model_bytes), "meta": dict(meta)}
     buf = io.BytesIO()
     torch.save(blob, buf)
-    return atomic.write_bytes(path, buf.getvalue())
+    return files.write_bytes(path, buf.getvalue())
 
 
 def load_model_file(path: str | os.PathLike) -> ModelFile:
@@ -130,8 +131,8 @@ def build_from_model_file(mf: ModelFile, device: str | torch.device = "cpu",
     """``(model, SubwordModel)`` ready to decode: the model in eval mode on ``device`` in
     ``dtype``. The model is built on the CPU in fp32 first (its init is wasted work, but it also
     recomputes the non-persistent sinusoid table exactly as training did), then cast and moved."""
-    from admin_ds.model import build_model
-    from admin_ds.subword import SubwordModel
+    from admin_ds.model.transformer import build_model
+    from admin_ds.data.subword import SubwordModel
 
     model = build_model(mf.model_config)
     model.load_state_dict(mf.state_dict, strict=True)
@@ -151,7 +152,7 @@ def build_from_model_file(mf: ModelFile, device: str | torch.device = "cpu",
 
 def _locate(path: Path, tag: Optional[str]) -> tuple[Path, str]:
     """(checkpoints dir, tag) for a run dir, a run's ``checkpoints`` dir or a tag dir."""
-    from admin_ds.checkpoint import COMPLETE, is_complete, newest_complete
+    from admin_ds.train.checkpoints import COMPLETE, is_complete, newest_complete
 
     if not path.exists():
         raise ModelFileError(f"{path}: no such run directory, checkpoint directory or model file")
@@ -210,10 +211,9 @@ def _zero0_weights(states: dict, model_config: ModelConfig, source: Path) -> tup
     if not groups:
         raise ModelFileError(f"{source}: 16-bit module weights and no fp32 master copies "
                              f"(optimizer.fp32_groups) to take fp32 weights from")
-    from admin_ds.model import build_model
+    from admin_ds.model.transformer import build_model
 
-    with torch.device("meta"):  # names and shapes only
-        skeleton = build_model(model_config)
+    skeleton = build_model(model_config, device="meta")  # names and shapes only
     trainable = [(n, p.shape) for n, p in skeleton.named_parameters() if p.requires_grad]
     masters = [t for group in groups for t in group]
     shapes_ok = len(masters) == len(trainable) and all(
@@ -229,36 +229,27 @@ def _zero0_weights(states: dict, model_config: ModelConfig, source: Path) -> tup
 def _pipeline_weights(tag_dir: Path, model_config: ModelConfig, profile: Optional[dict]) -> tuple[dict, str]:
     """fp32 weights of a pipeline checkpoint. zero_to_fp32 cannot read pipeline checkpoints, so
     DeepSpeed's universal converter extracts every parameter's fp32 master into
-    ``zero/<pipeline name>/fp32.pt``; the names are mapped back to the single-device model's.
-    Buffers (a fixed omega, DeepNorm's alpha) are not in it: omega comes from the profile, the
-    rest from the config."""
-    import tempfile
-
-    from admin_ds import engine as eng
-    from admin_ds.model import build_model
-    from admin_ds.pipeline import model_state_from_pipeline
-    from admin_ds.reliability import pipeline_layer_kinds
+    ``zero/<name>/fp32.pt``; a stage's parameters have the whole model's names
+    (admin_ds/model/transformer.py), so they are used as they are. Buffers (a fixed omega,
+    DeepNorm's alpha) are not in it: omega comes from the profile, the rest from the config."""
+    from admin_ds.model.profiling import Profile, omega_values
+    from admin_ds.model.transformer import build_model
+    from admin_ds.train.checkpoints import ds_to_universal
 
     with tempfile.TemporaryDirectory(prefix="admin_ds_universal_") as tmp:
         with _stdout_to_stderr():
-            eng.ds_to_universal(str(tag_dir), tmp)
+            ds_to_universal(tag_dir, Path(tmp))
         named = {d.name: torch.load(d / "fp32.pt", weights_only=True)["param"]
                  for d in (Path(tmp) / "zero").iterdir() if (d / "fp32.pt").is_file()}
-    weights = model_state_from_pipeline(pipeline_layer_kinds(model_config), named)
-    torch.manual_seed(0)
-    reference = build_model(model_config).state_dict()
-    omega = {(s["stack"], s["index"]): s["omega"] for s in (profile or {}).get("sublayers", [])}
-    for name, value in reference.items():
-        if name in weights:
-            weights[name] = weights[name].view(value.shape)
-        elif name.endswith("omega") and omega:
-            layer, residual = name.split(".")[:2], name.split(".")[2]
-            stack = "encoder" if layer[0] == "encoder_layers" else "decoder"
-            kinds = ["self_attn", "ffn"] if stack == "encoder" else ["self_attn", "encoder_attn", "ffn"]
-            index = int(layer[1]) * len(kinds) + kinds.index(residual.removesuffix("_residual")) + 1
-            weights[name] = torch.full_like(value, omega[(stack, index)])
-        else:
-            weights[name] = value  # a buffer fixed by the config
+    model = build_model(model_config, seed=0)  # buffers fixed by the config; parameters replaced below
+    if profile:
+        named.update({k: v for k, v in omega_values(Profile.from_dict(profile), model).items() if k not in named})
+    reference = model.state_dict()
+    unknown = sorted(set(named) - set(reference))
+    if unknown:
+        raise CheckpointError(f"{tag_dir}: parameters {unknown[:3]} are not the model's; a pipeline checkpoint "
+                              "written before admin-ds used one set of parameter names in every layout")
+    weights = {name: named[name].view(value.shape) if name in named else value for name, value in reference.items()}
     return weights, "deepspeed universal checkpoint (pipeline)"
 
 
@@ -274,7 +265,7 @@ def _subword_bytes(run_dir: Path, run_config: Optional[dict], expected_sha: Opti
         raise ModelFileError(f"{spm_path}: the run's subword model is missing (data.path="
                              f"{data_path!r}; run {run_dir})")
     data = spm_path.read_bytes()
-    sha = hashlib.sha256(data).hexdigest()
+    sha = files.sha256_bytes(data)
     if expected_sha and sha != expected_sha:
         raise ModelFileError(f"{spm_path}: sha256 {sha[:12]}... differs from the {expected_sha[:12]}... "
                              f"the checkpoint was trained with; the data directory was changed")
@@ -333,3 +324,22 @@ def load_any(path: str | os.PathLike, tag: Optional[str] = None) -> ModelFile:
     if path.is_file():
         return load_model_file(path)
     return load_run_checkpoint(path, tag)
+
+
+def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32, fold: bool = False, packed: bool = True):
+    """``(model, subword model, ModelFile)`` ready to translate: in eval mode on ``device`` in
+    ``dtype``; omega folded away first if ``fold`` (fold.py: the same translations from a vanilla
+    Post-LN model); on a CPU in fp32 the weights packed for oneDNN unless ``packed=False``
+    (admin_ds/inference/packed.py)."""
+    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.model.fold import fold_omega
+
+    mf = load_any(path, tag)
+    model, subword = build_from_model_file(mf, "cpu", torch.float32)
+    if fold:
+        model = fold_omega(model)  # in fp32, before any cast
+    model = model.to(device=device, dtype=dtype).eval()
+    if packed:
+        model = optimize_for_decoding(model)  # CPU fp32 only; elsewhere a no-op
+    return model, subword, mf

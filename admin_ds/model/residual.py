@@ -50,6 +50,9 @@ class Residual(nn.Module):
         """The factor applied to x, as a tensor broadcastable to D, or None for 1 (plain)."""
         return None
 
+    def reset_parameters(self) -> None:
+        """Constants set at construction, set again (a model built on the meta device)."""
+
     def extra_repr(self) -> str:
         return f"stack={self.stack}, index={self.index}"
 
@@ -69,11 +72,16 @@ class OmegaResidual(Residual):
     def __init__(self, dim: int, stack: str, index: int, init_value: float = 1.0,
                  trainable: bool = True) -> None:
         super().__init__(stack, index)
-        value = torch.full((dim,), float(init_value))
+        self.dim, self.init_value = dim, float(init_value)
+        value = torch.full((dim,), self.init_value)
         if trainable:
             self.omega = nn.Parameter(value)
         else:
             self.register_buffer("omega", value)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.omega.fill_(self.init_value)
 
     def combine(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.omega * x + y
@@ -83,8 +91,8 @@ class OmegaResidual(Residual):
 
     @torch.no_grad()
     def set_omega(self, value: torch.Tensor | float) -> None:
-        """Write omega into this module's tensor (not into an optimizer's master copy: engine.py
-        owns that, since only it knows the optimizer)."""
+        """Write omega into this module's tensor (not into an optimizer's master copy:
+        admin_ds.train.engine.write_omega owns that, since only it knows the optimizer)."""
         self.omega.copy_(torch.as_tensor(value, dtype=self.omega.dtype).expand_as(self.omega))
 
 
@@ -94,7 +102,12 @@ class ScaledResidual(Residual):
 
     def __init__(self, dim: int, stack: str, index: int, alpha: float) -> None:
         super().__init__(stack, index)
-        self.register_buffer("alpha", torch.full((dim,), float(alpha)))
+        self.init_value = float(alpha)
+        self.register_buffer("alpha", torch.full((dim,), self.init_value))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.alpha.fill_(self.init_value)
 
     def combine(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.alpha * x + y

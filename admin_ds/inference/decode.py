@@ -1,5 +1,5 @@
-"""Decoding: greedy, beam search (fairseq ``SequenceGenerator`` semantics) and sampling, plus a
-batched ``translate`` over raw lines.
+"""Decoding: greedy, beam search (fairseq ``SequenceGenerator`` semantics) and sampling over a
+batch of token ids. translate.py turns raw lines into such batches and back.
 
 Every search runs the decoder incrementally (one new position per step, past keys/values cached in
 an ``IncrementalState``), keeps the whole batch in one tensor, and drops sentences from the batch as
@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
-from admin_ds.model import IncrementalState
+from admin_ds.model.layers import IncrementalState
 
-__all__ = ["Hypothesis", "greedy", "beam_search", "sample", "translate", "make_batches"]
+__all__ = ["Hypothesis", "greedy", "beam_search", "sample"]
 
 NEG_INF = -math.inf
 
@@ -332,83 +331,3 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
                                    positional_scores=best_pos[b][j][:best_len[b][j] + 1])
                         for j in range(n_keep[b])])
     return results
-
-
-# --------------------------------------------------------------------------------------------
-# Translating lines
-# --------------------------------------------------------------------------------------------
-
-
-def make_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices grouped into batches over length-sorted input (longest first): a batch's cost,
-    n_sentences * its longest length, stays within ``max_tokens`` (a single longer sentence
-    forms a batch of its own)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i in order:
-        n = lengths[i]
-        if cur and (len(cur) + 1) * max(longest, n) > max_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def translate(model, subword_model, lines: Sequence[str], beam: int = 4, lenpen: float = 0.6,
-              max_tokens: int = 4096, method: str = "beam", **kw) -> list[str]:
-    """Translate raw ``lines``: ``subword_model.encode(lines)`` (ids without EOS; EOS appended
-    here), batches of at most ``max_tokens`` source tokens (n_sentences * max_len) over
-    length-sorted input, ``method`` "beam" | "greedy" | "sample" (``kw`` goes to the search:
-    max_len_a, max_len_b, unk_penalty, min_len, topk, topp, temperature, seed, generator),
-    ``subword_model.decode`` of the best hypotheses. Output order is input order; empty lines give
-    empty lines. Sources longer than the model's max_positions are truncated (with a warning)."""
-    if method not in ("beam", "greedy", "sample"):
-        raise ValueError(f"unknown method {method!r}; use 'beam', 'greedy' or 'sample'")
-    lines = list(lines)
-    outputs = [""] * len(lines)
-    if not lines:
-        return outputs
-    _, pad, eos, _ = _specials(model)
-    max_src = model.cfg.max_positions
-    encoded = subword_model.encode(lines)
-    todo, srcs, truncated = [], [], 0
-    for i, (line, ids) in enumerate(zip(lines, encoded)):
-        ids = list(ids)
-        if not line.strip() or not ids:
-            continue
-        if len(ids) + 1 > max_src:
-            ids = ids[:max_src - 1]
-            truncated += 1
-        todo.append(i)
-        srcs.append(ids + [eos])
-    if truncated:
-        warnings.warn(f"translate: {truncated} source sentence(s) longer than max_positions="
-                      f"{max_src} were truncated", stacklevel=2)
-    if "generator" not in kw and kw.get("seed") is not None and method == "sample":
-        kw["generator"] = torch.Generator(device=_device(model)).manual_seed(kw.pop("seed"))
-
-    hyps: list[Optional[list[int]]] = [None] * len(srcs)
-    device = _device(model)
-    for batch in make_batches([len(s) for s in srcs], max_tokens):
-        width = max(len(srcs[i]) for i in batch)
-        src = torch.full((len(batch), width), pad, dtype=torch.long)
-        for r, i in enumerate(batch):
-            src[r, :len(srcs[i])] = torch.tensor(srcs[i])
-        src = src.to(device)
-        if method == "beam":
-            res = [h[0].tokens for h in beam_search(model, src, beam=beam, lenpen=lenpen, **kw)]
-        elif method == "greedy":
-            res = greedy(model, src, **kw)
-        else:
-            res = sample(model, src, **kw)
-        for r, i in enumerate(batch):
-            hyps[i] = res[r]
-    texts = subword_model.decode(hyps) if hyps else []
-    for i, text in zip(todo, texts):
-        outputs[i] = text
-    return outputs

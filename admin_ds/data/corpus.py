@@ -49,7 +49,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from admin_ds import atomic
+from admin_ds import files
 
 __all__ = [
     "SRC_LANG",
@@ -896,18 +896,18 @@ def write_default_corpus(
         "valid": pairs[n_test:n_test + n_valid],
         "train": pairs[n_test + n_valid:],
     }
-    files: dict[str, dict[str, str]] = {}
+    paths: dict[str, dict[str, str]] = {}
     for split in ("train", "valid", "test"):
-        files[split] = {}
+        paths[split] = {}
         for side, lang in enumerate((SRC_LANG, TGT_LANG)):
             path = out / f"{split}.{lang}"
-            atomic.write_text(path, "".join(pair[side] + "\n" for pair in splits[split]))
-            files[split][lang] = str(path)
+            files.write_text(path, "".join(pair[side] + "\n" for pair in splits[split]))
+            paths[split][lang] = str(path)
     return {
         "dir": str(out),
         "src_lang": SRC_LANG,
         "tgt_lang": TGT_LANG,
         "seed": seed,
-        "files": files,
+        "files": paths,
         "counts": {split: len(p) for split, p in splits.items()},
     }

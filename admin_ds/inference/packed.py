@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from admin_ds.model import EncoderDecoder, FeedForward
+from admin_ds.model.layers import FeedForward
+from admin_ds.model.transformer import EncoderDecoder
 
 log = logging.getLogger(__name__)
 

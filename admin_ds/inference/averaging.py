@@ -1,0 +1,56 @@
+"""Checkpoint averaging: the papers evaluate the mean of the last 10 checkpoints' weights
+(ADMIN_NOTES.md section 5). Command line: launch/average_checkpoints.py.
+
+Each checkpoint's fp32 weights come from DeepSpeed's consolidation (model_file.py), whatever its
+ZeRO stage, pipeline layout and world size; every parameter is averaged in float64 and cast back.
+The model config, Admin profile and run config of the newest checkpoint, and the run's subword
+model, travel with the result. Checkpoints whose model configs, subword models or parameter names
+differ are refused, naming the two checkpoints and the fields.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from admin_ds.errors import CheckpointError
+from admin_ds.inference.model_file import ModelFile, load_run_checkpoint
+
+
+def average_checkpoints(run_dir: Path, last: int, log=lambda msg: print(msg, file=sys.stderr)) -> ModelFile:
+    """The ModelFile averaging the ``last`` newest complete checkpoints of ``run_dir``."""
+    from admin_ds.train.checkpoints import complete_tags
+
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run directory")
+    tags = complete_tags(run_dir / "checkpoints")
+    if len(tags) < last:
+        raise CheckpointError(f"{run_dir}: {len(tags)} complete checkpoint(s) "
+                              f"({', '.join(tags) or 'none'}), fewer than --last {last}")
+    tags = tags[-last:]
+    sums: dict[str, torch.Tensor] = {}
+    first = newest = None
+    for tag in tags:
+        mf = load_run_checkpoint(run_dir, tag)
+        if first is None:
+            first = mf
+            sums = {k: v.double() for k, v in mf.state_dict.items()}
+        else:
+            if mf.model_config != first.model_config:
+                a, b = first.model_config.to_dict(), mf.model_config.to_dict()
+                diff = ", ".join(f"model.{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k])
+                raise CheckpointError(f"{run_dir}: {tags[0]} and {tag} have different model configs ({diff})")
+            if mf.subword_sha256 != first.subword_sha256 or mf.state_dict.keys() != sums.keys():
+                raise CheckpointError(f"{run_dir}: {tags[0]} and {tag} differ in their subword model or "
+                                      f"parameter names")
+            for k, v in mf.state_dict.items():
+                sums[k] += v.double()
+        newest = mf
+        log(f"[average] + {tag} (update {mf.meta.get('update')})")
+    state = {k: (v / len(tags)).to(newest.state_dict[k].dtype) for k, v in sums.items()}
+    meta = {**newest.meta, "source": str(run_dir.resolve()), "averaged_tags": tags,
+            "weights_from": f"mean of {len(tags)} checkpoints ({newest.meta.get('weights_from')})"}
+    return ModelFile(model_config=newest.model_config, state_dict=state, profile=newest.profile,
+                     run_config=newest.run_config, subword_model_bytes=newest.subword_model_bytes, meta=meta)

@@ -1,0 +1,467 @@
+"""The training run on one rank: the same loop for every layout.
+
+    train(run, ds_config_path, hooks=None)   # called by launch/train.py on every rank
+
+Order of work (each step refuses bad input before the next one starts):
+  1. resolve the DeepSpeed JSON against the run config; print the layout and the batch numbers
+  2. the data directory (rank 0 prepares the embedded default if no data is given)
+  3. plan the resume from the newest verified checkpoint (another layout: a universal load,
+     decided before the engine is built), then the runner: model, engine (runners.py)
+  4. resume, or establish the profile (distributed profiling, or a given profile) and write omega
+  5. updates, with the log, validation and checkpoints at their intervals; the divergence guard
+     skips non-finite updates and rolls back on divergence (guard.py)
+  6. final checkpoint, validation loss, BLEU on the test split, summary
+
+The pieces know nothing of the layout: the runner does the steps (runners.py), the checkpoint
+manager the files (checkpoints.py), the evaluator the validation loss and BLEU, the run log the
+metrics. Extension points for tests and tools are the ``Hooks`` (hooks.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from admin_ds import distributed
+from admin_ds.data import EpochBatchIterator
+from admin_ds.data.binarize import load_manifest, open_split, prepare_default_data
+from admin_ds.errors import ConfigError
+from admin_ds.model.config import ModelConfig
+from admin_ds.model.profiling import Profile, omega_table
+from admin_ds.model.transformer import count_parameters
+from admin_ds.train import engine as eng
+from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_loading, describe
+from admin_ds.train.guard import DivergenceGuard, apply_lr_scale
+from admin_ds.train.hooks import Hooks
+from admin_ds.train.run_config import RunConfig, dump_run_config
+from admin_ds.train.runners import LN2, Runner, make_runner
+
+
+@dataclass
+class TrainState:
+    update: int = 0
+    epoch: int = 1
+    tokens_seen: int = 0
+    sentences_seen: int = 0
+
+
+class RunLog:
+    """Rank 0 prints and appends to RUN_DIR/metrics.jsonl (and TensorBoard if asked)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.metrics = None
+        self.tb = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(run_dir / "metrics.jsonl", "a")
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                    self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                except ImportError:
+                    self.info("[log] tensorboard is not installed; `pip install tensorboard` to enable it")
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, flush=True)
+
+    def record(self, kind: str, **values) -> None:
+        if not self.enabled:
+            return
+        self.metrics.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **values}) + "\n")
+        self.metrics.flush()
+        if self.tb is not None:
+            step = values.get("update", 0)
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and k != "update":
+                    self.tb.add_scalar(f"{kind}/{k}", v, step)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+class Evaluator:
+    """Validation loss (every rank, through the runner) and BLEU (rank 0 decodes a consolidated
+    fp32 copy of the model with beam search; sacreBLEU and tokenized BLEU)."""
+
+    def __init__(self, run: RunConfig, runner: Runner, data_dir: Path, manifest: dict, cfg: ModelConfig,
+                 run_dir: Path) -> None:
+        self.run, self.runner, self.data_dir, self.manifest, self.cfg = run, runner, data_dir, manifest, cfg
+        self.run_dir = run_dir
+
+    def iterator(self, dataset, shuffle: bool, gas: int = 1) -> EpochBatchIterator:
+        r = self.runner
+        return EpochBatchIterator(dataset, self.run.data.max_tokens, self.cfg.pad_idx, self.cfg.eos_idx,
+                                  seed=self.run.train.seed, num_replicas=r.dp, rank=r.dp_rank, shuffle=shuffle,
+                                  max_positions=min(self.run.data.max_positions, self.cfg.max_positions),
+                                  required_multiple=r.dp * gas)
+
+    @torch.no_grad()
+    def valid_loss(self, split: str) -> dict:
+        it = self.iterator(open_split(self.data_dir, split, self.manifest), shuffle=False)
+        sums = self.runner.eval_loss([it.next_batch() for _ in range(it.batches_per_epoch)])
+        nll = float(sums[1] / sums[2] / LN2)
+        return {"loss": float(sums[0] / sums[2] / LN2), "nll": nll, "ppl": 2 ** nll, "ntokens": int(sums[2])}
+
+    def bleu(self, split: str) -> Optional[dict]:
+        """Collective (the state is gathered); the result on rank 0, None elsewhere."""
+        state = self.runner.state_dict()
+        if state is None:
+            return None
+        from admin_ds.data.subword import SubwordModel
+        from admin_ds.inference.scoring import score
+        from admin_ds.inference.translate import translate
+        from admin_ds.model.transformer import build_model
+
+        s, t = self.manifest["src_lang"], self.manifest["tgt_lang"]
+        srcs = (self.data_dir / f"{split}.{s}").read_text(encoding="utf-8").splitlines()
+        refs = (self.data_dir / f"{split}.{t}").read_text(encoding="utf-8").splitlines()
+        n = self.run.train.bleu_max_sentences
+        if n:
+            srcs, refs = srcs[:n], refs[:n]
+        model = build_model(self.cfg, seed=0).to(self.runner.device)
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        t0 = time.perf_counter()
+        hyps = translate(model, SubwordModel(self.data_dir / self.manifest["subword_model"]), srcs,
+                         beam=self.run.train.bleu_beam, lenpen=self.run.train.bleu_lenpen,
+                         max_tokens=self.run.data.max_tokens)
+        elapsed = time.perf_counter() - t0
+        (self.run_dir / f"{split}.hyp.{t}").write_text("\n".join(hyps) + "\n", encoding="utf-8")
+        result, copy = score(hyps, refs, f"{s}-{t}"), score(srcs, refs, f"{s}-{t}")  # copy: output = input
+        return {"bleu": result["bleu"], "tok_bleu": result["tok_bleu"], "chrf": result["chrf"],
+                "signature": result["signature"], "copy_bleu": copy["bleu"], "sentences": len(hyps),
+                "decode_s": round(elapsed, 2)}
+
+
+class Training:
+    """One run on this rank. ``setup()`` builds everything, ``fit()`` trains, ``close()``
+    releases the engine (collective teardown is distributed.shutdown)."""
+
+    def __init__(self, run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None) -> None:
+        self.run, self.ds_path = run, ds_config_path
+        self.hooks = hooks or Hooks()
+        self.run_dir = Path(run.train.run_dir)
+        self.runner: Optional[Runner] = None
+        self.log: Optional[RunLog] = None
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def setup(self) -> None:
+        run = self.run
+        raw_ds = eng.load_ds_config(self.ds_path)
+        eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s, run.engine.connect_timeout_s)
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
+        self._check_world()
+        self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
+        self.layout = eng.layout(self.ds, run.engine.pipeline_stages, self.world)
+        dp, gas = self.layout["data_parallel"], self.ds["gradient_accumulation_steps"]
+        self.log.info(f"[world] {self.world} rank(s): data-parallel {dp} x pipeline {run.engine.pipeline_stages}; "
+                      f"ZeRO-{self.layout['zero']}, {self.layout['precision']}, device {eng.device().type}")
+        self.log.info(f"[batch] micro-batch <= {run.data.max_tokens} padded tokens x accumulation {gas} "
+                      f"x data-parallel {dp} = up to {run.data.max_tokens * gas * dp} tokens per update")
+
+        self.data_dir = self._data_dir()
+        self.manifest = self._manifest()
+        self.cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", run.train.keep_last, self.log.info,
+                                             self.hooks.on_checkpoint_write)
+        # Before the engine: a layout change needs an engine built for universal loading.
+        self.resume_plan = self.checkpoints.plan_resume(self.layout, self.cfg, self.manifest) if run.train.resume else None
+        configure_loading(self.ds, self.resume_plan)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "run_config.json").write_text(dump_run_config(run) + "\n")
+            (self.run_dir / "ds_config.json").write_text(json.dumps(self.ds, indent=1) + "\n")
+
+        cfg = self.cfg
+        self.runner = make_runner(run, self.ds, cfg, self.hooks)
+        self.log.info(f"[model] {run.model.preset} {cfg.num_encoder_layers}L-{cfg.num_decoder_layers}L "
+                      f"{cfg.model_dim}/{cfg.ffn_inner_dim}/{cfg.num_heads}, init={cfg.init}, norm={cfg.norm_order}, "
+                      f"vocabulary {cfg.vocab_size}: {_whole_model_parameters(cfg) / 1e6:.2f}M parameters")
+        for line in self.runner.describe():
+            self.log.info(line)
+        self.guard = DivergenceGuard(run.guard)
+        self.evaluator = Evaluator(run, self.runner, self.data_dir, self.manifest, cfg, self.run_dir)
+        self.iterator = self.evaluator.iterator(open_split(self.data_dir, "train", self.manifest), shuffle=True,
+                                                gas=self.ds["gradient_accumulation_steps"])
+        if self.iterator.dropped:
+            self.log.info(f"[data] dropped {self.iterator.dropped} training pairs longer than "
+                          f"{min(run.data.max_positions, cfg.max_positions)} tokens")
+        self.state = TrainState()
+        self.saved_update: Optional[int] = None
+        self.profile: Optional[Profile] = None
+
+    def _check_world(self) -> None:
+        layout = distributed.world_layout()
+        self.log.info(f"[world] {layout['nodes']} node(s): " + ", ".join(
+            f"{host} x {n}" for host, n in layout["ranks_per_node"].items()))
+        e = self.run.engine
+        for name, want, have in (("engine.expect_world_size", e.expect_world_size, layout["world_size"]),
+                                 ("engine.expect_nodes", e.expect_nodes, layout["nodes"])):
+            if want is not None and want != have:
+                raise ConfigError(f"{name}={want}, but this launch has {have}; check the hostfile / "
+                                  "allocation (nothing was started)")
+
+    def _data_dir(self) -> Path:
+        data = self.run.data
+        if data.path:
+            return Path(data.path)
+        out = self.run_dir / "data"
+        err = None
+        if self.rank == 0:
+            try:
+                prepare_default_data(out, n_pairs=data.default_pairs, vocab_size=data.default_vocab_size,
+                                     seed=self.run.train.seed, log=self.log.info)
+            except Exception as e:  # every rank must learn of it, not hang at the barrier
+                err = f"{type(e).__name__}: {e}"
+        err = distributed.broadcast_object(err)
+        if err:
+            raise RuntimeError(f"preparing the embedded default data failed on rank 0: {err}")
+        return out
+
+    def _manifest(self) -> dict:
+        result = None
+        if self.rank == 0:  # checksum once; other ranks read the same directory
+            try:
+                result = load_manifest(self.data_dir)
+            except (FileNotFoundError, ValueError) as e:
+                result = {"error": str(e)}
+        result = distributed.broadcast_object(result)
+        if "error" in result:
+            raise ConfigError(f"data.path: {result['error']}")
+        return result
+
+    # ---- profiling -----------------------------------------------------------------------------
+    def profiling_batch(self) -> dict:
+        """This rank's first micro-batch of the first epoch: the batch the reference profiles on."""
+        return self.evaluator.iterator(open_split(self.data_dir, "train", self.manifest), shuffle=True).next_batch()
+
+    def establish_profile(self) -> None:
+        """Reuse a given profile, or profile on each rank's first micro-batch and reduce; then
+        omega goes into the engine (every copy) and the profile into the run directory."""
+        run, cfg = self.run, self.cfg
+        if cfg.init != "admin":
+            return
+        if run.admin.profile:
+            profile = Profile.load(run.admin.profile, cfg)
+            profile.check_matches(cfg)
+            self.log.info(f"[admin] using the profile {run.admin.profile} ({profile.formula})")
+        else:
+            t0 = time.perf_counter()
+            profile = self.runner.profile(self.profiling_batch())
+            self.log.info(f"[admin] profiled omega on {profile.tokens['src']} source / {profile.tokens['tgt']} "
+                          f"target tokens over {self.layout['data_parallel']} data-parallel x "
+                          f"{run.engine.pipeline_stages} pipeline rank(s) in {time.perf_counter() - t0:.2f}s "
+                          f"({run.admin.formula} formula)")
+        self.profile = profile
+        self.hooks.profiled()
+        eng.write_omega(self.runner.engine, profile)
+        if self.rank == 0:
+            profile.save(self.run_dir / "admin_profile.json")
+            (self.run_dir / "profile.ratio.init").write_text(profile.to_ratio_init())
+        enc, dec = profile.omega("encoder"), profile.omega("decoder")
+        self.log.info(f"[admin] omega: encoder {enc[0]:.3f} .. {enc[-1]:.3f}, decoder {dec[0]:.3f} .. {dec[-1]:.3f}")
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def client_state(self) -> dict:
+        return {"admin_ds": {
+            "run_config": self.run.to_dict(), "model_config": self.cfg.to_dict(),
+            "profile": None if self.profile is None else self.profile.to_dict(),
+            "train_state": vars(self.state).copy(), "data_state": self.iterator.state_dict(),
+            "subword_sha256": self.manifest.get("subword_sha256"), "layout": self.layout,
+            "guard": self.guard.state_dict()}}
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        tag = self.checkpoints.save(self.runner.engine, self.state.update, self.client_state())
+        self.saved_update = self.state.update
+        self.log.info(f"[checkpoint] saved {self.checkpoints.dir / tag} in {time.perf_counter() - t0:.1f}s")
+
+    def restore(self, plan: ResumePlan, rollback: bool = False) -> None:
+        """Load ``plan.tag`` and our state from it. A rollback keeps the data position (the guard
+        continues after the divergence) and the guard's learning-rate multiplier."""
+        client = self.checkpoints.load(self.runner.engine, plan)["admin_ds"]
+        saved = ModelConfig.from_dict(client["model_config"])
+        if saved != self.cfg:
+            diff = [k for k in saved.to_dict() if saved.to_dict()[k] != self.cfg.to_dict()[k]]
+            raise ConfigError(f"{self.checkpoints.dir / plan.tag}: the checkpoint's model differs from the run "
+                              f"config in model.{', model.'.join(diff)}; use a new train.run_dir or the same model")
+        self.state = TrainState(**client["train_state"])
+        self.saved_update = self.state.update
+        if not rollback:
+            self.iterator.load_state_dict(client["data_state"])
+        if client.get("profile"):
+            self.profile = Profile.from_dict(client["profile"])
+            if plan.universal:  # universal loading restores parameters, not buffers
+                eng.write_omega(self.runner.engine, self.profile, buffers_only=True)
+        self.guard.load_state_dict(client.get("guard"), rollback=rollback)
+        if self.guard.state.lr_scale != 1.0:
+            apply_lr_scale(self.runner.engine, self.run.optim.lr, self.guard.state.lr_scale)
+
+    def try_resume(self) -> bool:
+        plan = self.resume_plan
+        if plan is None:
+            return False
+        removed = self.checkpoints.remove_torn()
+        if removed:
+            self.log.info(f"[resume] removed incomplete checkpoint(s): {', '.join(sorted(removed))}")
+        for note in plan.notes:
+            self.log.info(f"[resume] {note}")
+        self.restore(plan)
+        change = f"; layout {describe(plan.saved)} -> {describe(plan.current)}" if plan.layout_changed else ""
+        self.log.info(f"[resume] from {self.checkpoints.dir / plan.tag}: update {self.state.update}, "
+                      f"epoch {self.state.epoch}{change}")
+        return True
+
+    def rollback(self, reason: str) -> None:
+        """The divergence guard's remedy (guard.py): the newest complete checkpoint, the learning
+        rate x guard.lr_factor, the data after the divergence. Collective."""
+        at = self.state.update
+        tag = self.checkpoints.newest_verified()
+        scale = self.guard.begin_rollback(reason, tag)
+        self.guard.state.lr_scale, self.guard.state.rollbacks = scale, self.guard.state.rollbacks + 1
+        self.restore(self.checkpoints.plan_resume(self.layout, self.cfg, self.manifest, tag=tag), rollback=True)
+        self.log.record("rollback", update=at, to_update=self.state.update, reason=reason, lr_scale=scale,
+                        lr=self.runner.engine.get_lr()[0], rollbacks=self.guard.state.rollbacks)
+        self.log.info(f"[guard] {reason} at update {at}: rolled back to {self.checkpoints.dir / tag}, "
+                      f"learning rate x{scale:g} from here on")
+
+    # ---- the run -------------------------------------------------------------------------------
+    def train_update(self) -> dict:
+        """One optimizer update; the train state advances."""
+        self.hooks.update_start(self.state.update + 1)
+        stats = self.runner.train_step([self.iterator.next_batch() for _ in range(self.ds["gradient_accumulation_steps"])])
+        s = self.state
+        s.update, s.epoch = s.update + 1, self.iterator.epoch
+        s.tokens_seen, s.sentences_seen = s.tokens_seen + stats["ntokens"], s.sentences_seen + stats["nsentences"]
+        # DeepSpeed skipped the step (guard.py); in fp16 a skip with a finite loss is the loss
+        # scaler's overflow, which is routine and left to it.
+        stats["nonfinite"] = not math.isfinite(stats["loss"]) or (stats["skipped"] and self.layout["precision"] != "fp16")
+        return stats
+
+    def fit(self) -> dict:
+        run = self.run
+        if not self.try_resume():
+            self.establish_profile()
+            if self.profile is not None:
+                self.log.info(omega_table(self.profile) if self.cfg.num_encoder_layers <= 6 else
+                              "[admin] omega table written to admin_profile.json")
+        if run.admin.profile_only:
+            self.log.info(f"[admin] --profile-only: profile written to {self.run_dir / 'admin_profile.json'}")
+            return {}
+        from tqdm import tqdm
+
+        bar = tqdm(total=run.train.max_updates, initial=self.state.update, disable=self.rank != 0,
+                   desc="train", unit="upd", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+        t_start = time.perf_counter()
+        window_tokens, window_t0 = 0, time.perf_counter()
+        last = {}
+        while self.state.update < run.train.max_updates:
+            if run.train.max_epochs and self.iterator.epoch > run.train.max_epochs:
+                break
+            stats = self.train_update()
+            window_tokens += stats["ntokens"]
+            bar.update(1)
+            u = self.state.update
+            reason = self.guard.observe(stats)
+            if stats["nonfinite"]:
+                self.log.record("skip", update=u, loss=stats["loss"], skipped_nonfinite=self.guard.state.skipped_nonfinite)
+                self.log.info(f"[guard] update {u}: non-finite loss or gradient, update skipped "
+                              f"({self.guard.state.skipped_nonfinite} so far)")
+            if reason:
+                self.rollback(reason)
+                bar.n = self.state.update
+                bar.refresh()
+                continue
+            if u % run.train.log_interval == 0 or u == run.train.max_updates:
+                dt = time.perf_counter() - window_t0
+                engine = self.runner.engine
+                last = {"update": u, "epoch": self.state.epoch, "loss": round(stats["loss"], 4),
+                        "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
+                        "lr": engine.get_lr()[0], "grad_norm": stats["grad_norm"],
+                        "loss_scale": engine.optimizer.cur_scale if self.layout["precision"] == "fp16" else None,
+                        "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"],
+                        "skipped_nonfinite": self.guard.state.skipped_nonfinite}
+                self.log.record("train", **last)
+                if self.rank == 0:
+                    bar.write(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in last.items() if v is not None))
+                window_tokens, window_t0 = 0, time.perf_counter()
+            if u % run.train.valid_interval_updates == 0 and u < run.train.max_updates:
+                v = self.evaluator.valid_loss(run.data.valid_split)
+                self.log.record("valid", update=u, **v)
+                self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
+            every = run.train.bleu_interval_updates
+            if every and u % every == 0 and u < run.train.max_updates:
+                b = self.evaluator.bleu(run.data.valid_split)
+                if b is not None:
+                    self.log.record("valid_bleu", update=u, **b)
+                    self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
+            if u % run.train.save_interval_updates == 0 and u < run.train.max_updates:
+                self.save()
+        bar.close()
+        train_s = time.perf_counter() - t_start
+        if self.saved_update != self.state.update:  # decided locally: every rank agrees without I/O
+            self.save()
+        return self._finish(train_s, last)
+
+    def _finish(self, train_s: float, last: dict) -> dict:
+        summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
+                   "train_s": round(train_s, 1), "last_train_loss": last.get("loss")}
+        bleu = None
+        if self.run.train.final_eval:
+            v = self.evaluator.valid_loss(self.run.data.valid_split)
+            self.log.record("valid", update=self.state.update, **v)
+            summary.update(valid_loss=round(v["loss"], 4), valid_ppl=round(v["ppl"], 2))
+            bleu = self.evaluator.bleu(self.run.data.test_split)
+        if bleu is not None:
+            summary.update({f"test_{k}": (round(x, 2) if isinstance(x, float) else x) for k, x in bleu.items()})
+            self.log.record("test", update=self.state.update, **bleu)
+        self.log.record("summary", **summary)
+        if self.rank == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        self.log.info("[summary] " + json.dumps(summary))
+        distributed.barrier()
+        return summary
+
+    def close(self) -> None:
+        import gc
+
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if self.log is not None:
+            self.log.close()
+        gc.collect()
+
+
+def _whole_model_parameters(cfg: ModelConfig) -> int:
+    from admin_ds.model.transformer import build_model
+
+    return count_parameters(build_model(cfg, device="meta"))
+
+
+def train(run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None) -> dict:
+    """The whole run on this rank; leaves the process group (distributed.shutdown) on every path."""
+    clean, training = False, Training(run, ds_config_path, hooks)
+    try:
+        training.setup()
+        summary = training.fit()
+        clean = True
+        return summary
+    finally:
+        training.close()
+        distributed.shutdown(clean)

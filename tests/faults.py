@@ -1,0 +1,102 @@
+"""Real faults for tests, injected through the run's hooks (admin_ds/train/hooks.py): the
+production loop carries no fault code.
+
+A spec is a comma-separated list; each fault fires at most once per process:
+    kill_during_profile         SIGKILL after profiling, before omega is written
+    kill_during_update:U        SIGKILL during update U (after its first forward)
+    kill_during_save:U          SIGKILL while checkpoint U is written (after DeepSpeed's first file)
+    enospc_during_save:U        OSError(ENOSPC) there instead: the run stops, the previous
+                                complete checkpoint stays the one to resume from
+    nan_loss:U[-V][:R]          rank R's (default 0) first micro-batch loss x NaN in updates
+                                U..V; may repeat. In a pipeline R must be a last-stage rank
+    spike_loss:U:F              every micro-batch loss x F in update U
+
+    hooks = Faults("nan_loss:3,spike_loss:6:30").install(Hooks())
+    python tests/fault_train.py kill_during_update:5 --deepspeed_config ... (launch/train.py's arguments)
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from typing import Optional
+
+import torch
+
+from admin_ds.train.hooks import Hooks
+
+TAG = "injected by tests/faults.py"
+
+
+class Faults:
+    def __init__(self, spec: str = "") -> None:
+        self.spec: dict[str, list[list[str]]] = {}  # a name may repeat: nan_loss:3,nan_loss:9-10
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            name, _, arg = item.partition(":")
+            self.spec.setdefault(name, []).append(arg.split(":") if arg else [])
+        self.fired: set = set()
+        self._update = 0
+        self._micro = 0
+        self._spiking: Optional[float] = None
+
+    def install(self, hooks: Hooks) -> Hooks:
+        hooks.on_profiled.append(self.profiled)
+        hooks.on_update_start.append(self.update_start)
+        hooks.on_loss.append(self.loss)
+        hooks.on_checkpoint_write.append(self.checkpoint_write)
+        return hooks
+
+    def _once(self, key) -> bool:
+        if key in self.fired:
+            return False
+        self.fired.add(key)
+        return True
+
+    def _at(self, name: str, update: int, rank: Optional[int] = None) -> bool:
+        """Is ``name`` armed for ``update`` (and ``rank``: the fault's second argument, default 0)?"""
+        for args in self.spec.get(name, []):
+            lo, _, hi = args[0].partition("-")
+            on_rank = rank is None or int(args[1] if len(args) > 1 else 0) == rank
+            if int(lo) <= update <= int(hi or lo) and on_rank:
+                return self._once((name, update))
+        return False
+
+    @staticmethod
+    def _kill(where: str) -> None:
+        print(f"[fault] SIGKILL {where} ({TAG})", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    # ---- the hooks ---------------------------------------------------------------------------
+    def profiled(self) -> None:
+        if "kill_during_profile" in self.spec and self._once("kill_during_profile"):
+            self._kill("during profiling")
+
+    def update_start(self, update: int) -> None:
+        self._update, self._micro = update, 0
+
+    def loss(self, loss: torch.Tensor, rank: int) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # validation
+            return loss
+        u, micro = self._update, self._micro
+        self._micro += 1
+        if micro == 0 and self._at("kill_during_update", u):
+            self._kill(f"during update {u}")
+        if micro == 0 and self._at("nan_loss", u, rank):
+            loss = loss * float("nan")
+        if micro == 0:
+            self._spiking = next((float(a[1]) for a in self.spec.get("spike_loss", []) if int(a[0]) == u), None)
+            if self._spiking is not None and not self._once(("spike_loss", u)):
+                self._spiking = None
+        if self._spiking is not None:
+            loss = loss * self._spiking
+        return loss
+
+    def checkpoint_write(self, update: int, written: int) -> None:
+        """Before each DeepSpeed file of checkpoint ``update``; faults fire before the second."""
+        if written < 1:
+            return
+        if self._at("kill_during_save", update):
+            self._kill(f"while writing checkpoint {update}")
+        if self._at("enospc_during_save", update):
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({TAG})")
