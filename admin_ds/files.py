@@ -76,3 +76,63 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 def file_digest(path: str | os.PathLike) -> list:
     """``[size in bytes, sha256]`` of a file, as recorded in checkpoint markers and model files."""
     return [Path(path).stat().st_size, sha256_file(path)]
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``DIR/NAME`` for as long as the object lives (or ``release``):
+    one writer per directory. The kernel releases it when the process dies, so a killed run never
+    blocks its own resume. The holder's host and pid are written into the lock file, so a refused
+    second writer can say who holds it. A directory the lock created is removed again on release
+    if nothing else was written into it (a run refused at start-up leaves nothing behind)."""
+
+    def __init__(self, directory: str | os.PathLike, name: str = ".lock") -> None:
+        import fcntl
+        import socket
+
+        self.path = Path(directory) / name
+        self.created = not self.path.parent.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise BlockingIOError(f"{Path(directory)} is in use by {holder} (lock {self.path})") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"host {socket.gethostname()}, pid {os.getpid()}\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        if self.file.closed:
+            return
+        if self.created and [p.name for p in self.path.parent.iterdir()] == [self.path.name]:
+            self.path.unlink()  # still holding the lock, so no other writer is between these steps
+            self.path.parent.rmdir()
+        self.file.close()  # closing the descriptor releases the flock
+
+    def __enter__(self) -> "DirectoryLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def describe_os_error(e: OSError) -> str:
+    """An OSError in one line naming the path, and the free space left when the disk is full."""
+    import errno
+    import shutil
+
+    path = getattr(e, "filename", None)
+    text = f"{path}: {e.strerror or e}" if path else str(e.strerror or e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) and path:
+        probe = Path(path)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            text += f" ({shutil.disk_usage(probe).free / 2**20:.1f} MiB free on the file system of {probe})"
+        except OSError:
+            pass
+    return text

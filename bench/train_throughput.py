@@ -43,7 +43,6 @@ def update_flops(cfg, batches) -> float:
 def bench_preset(args, preset: str) -> dict:
     import torch
 
-    from admin_ds.data.binarize import open_split
     from admin_ds.train.loop import Training
     from admin_ds.train.run_config import load_run_config
 
@@ -65,7 +64,7 @@ def bench_preset(args, preset: str) -> dict:
     sync()
     # FLOPs of exactly the batches the timed updates will draw (the iterator is deterministic).
     gas = t.ds["gradient_accumulation_steps"]
-    probe = t.evaluator.iterator(open_split(t.data_dir, "train", t.manifest), shuffle=True, gas=gas)
+    probe = t.evaluator.iterator("train", shuffle=True, gas=gas)
     probe.load_state_dict(t.iterator.state_dict())
     batches = [probe.next_batch() for _ in range(args.updates * gas)]
     flops = update_flops(t.cfg, batches)

@@ -4,6 +4,9 @@ binarized data directory (the format of :mod:`admin_ds.data.binarize`). Entry po
 """
 
 
-class PrepError(Exception):
+from admin_ds.errors import DataError
+
+
+class PrepError(DataError):
     """A problem with the user's input or environment, reported as ``error: <message>`` on stderr
-    with a non-zero exit status and no traceback. The message names the file concerned."""
+    with exit status 2 and no traceback. The message names the file concerned."""

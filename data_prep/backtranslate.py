@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from admin_ds import files
+from admin_ds.arguments import existing_path, float_in, input_file, int_in
+from admin_ds.errors import UserError
 from admin_ds.files import atomic_output, sha256_file
 from data_prep import PrepError
 from data_prep.clean import PunctNormalizer, decode_side, length_filter, normalize
@@ -46,32 +48,33 @@ def log(msg: str) -> None:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog=os.environ.get("DATA_PREP_ARGV0"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, type=Path, help="reverse model: run dir, checkpoint tag dir or model file")
-    p.add_argument("--mono", required=True, nargs="+", type=Path, help="target-language monolingual text")
+    p.add_argument("--model", required=True, type=existing_path, help="reverse model: run dir, checkpoint tag dir or model file")
+    p.add_argument("--mono", required=True, nargs="+", type=input_file, help="target-language monolingual text")
     p.add_argument("--out", required=True, type=Path, help="output data directory")
     p.add_argument("--bitext", required=True, type=Path, help="prepared real data directory (manifest.json, spm.model)")
     p.add_argument("--method", choices=METHODS, default="sampling")
     p.add_argument("--tag", action="store_true", help=f"prefix synthetic sources with {TAG}")
-    p.add_argument("--upsample", type=int, default=1, help="copies of the real bitext")
-    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--upsample", type=int_in(1), default=1, help="copies of the real bitext")
+    p.add_argument("--shards", type=int_in(1), default=1)
     p.add_argument("--seed", type=int, default=1, help="shard i uses seed + i")
-    p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--lenpen", type=float, default=1.0)
-    p.add_argument("--topk", type=int, default=10)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--max-len-a", type=float, default=1.2)
-    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--beam", type=int_in(1), default=5)
+    p.add_argument("--lenpen", type=float_in(), default=1.0)
+    p.add_argument("--topk", type=int_in(1), default=10)
+    p.add_argument("--max-tokens", type=int_in(1), default=4096)
+    p.add_argument("--max-len-a", type=float_in(0), default=1.2)
+    p.add_argument("--max-len-b", type=int_in(0), default=10)
     p.add_argument("--shuffle", action="store_true", help="shuffle the combined pairs with the seed "
                    "(default: real x upsample, then synthetic, in order)")
-    p.add_argument("--workers", type=int, default=1, help="torch threads for decoding")
-    p.add_argument("--min-len", type=int, default=1)
-    p.add_argument("--max-len", type=int, default=250)
-    p.add_argument("--ratio", type=float, default=1.5)
+    p.add_argument("--workers", type=int_in(1), default=1, help="torch threads for decoding")
+    p.add_argument("--min-len", type=int_in(0), default=1)
+    p.add_argument("--max-len", type=int_in(1), default=250)
+    p.add_argument("--ratio", type=float_in(1), default=1.5)
+    p.add_argument("--trust-unverified", action="store_true",
+                   help="accept a reverse model written without digests (an older version)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    for name in ("upsample", "shards", "beam", "topk", "max_tokens", "workers"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.min_len > a.max_len:
+        p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
     return a
 
 
@@ -198,7 +201,7 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> li
             log(f"[bt] shard {i}: already done, skipped")
             continue
         if model is None:
-            model, subword, _ = load_model(a.model)
+            model, subword, _ = load_model(a.model, a.trust_unverified)
         t0 = time.perf_counter()
         s, e = bounds[i]
         src = translate_shard(model, subword, lines[s:e], a, a.seed + i)
@@ -217,7 +220,7 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> li
 _MODEL_CACHE: dict = {}
 
 
-def load_model(path: Path):
+def load_model(path: Path, trust_unverified: bool = False):
     """The reverse model and its subword model, loaded once per process (admin_ds/inference/
     model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
     torchrun or deepspeed), else on the CPU with oneDNN packed weights."""
@@ -232,16 +235,16 @@ def load_model(path: Path):
         else:
             device = torch.device("cpu")
         try:
-            _MODEL_CACHE["model"] = load_for_decoding(path, device=device)
+            _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified)
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             raise PrepError(f"--model {path}: {e}") from None
     return _MODEL_CACHE["model"]
 
 
-def model_identity(path: Path) -> dict:
+def model_identity(path: Path, trust_unverified: bool = False) -> dict:
     """What identifies the reverse model: the model file's checksum, or the run checkpoint's
     source/tag/update and subword checksum."""
-    _, _, mf = load_model(path)
+    _, _, mf = load_model(path, trust_unverified)
     ident = {"path": str(path.resolve()), "subword_sha256": mf.subword_sha256,
              "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang")}
     if path.is_file():
@@ -346,7 +349,7 @@ def run(a) -> int:
     torch.set_num_threads(a.workers)
     with distributed.session("cpu") as (rank, world):
         manifest, sp = check_inputs(a)
-        model_id = model_identity(a.model)
+        model_id = model_identity(a.model, a.trust_unverified)
         if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
             log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "
                 f"{manifest['src_lang']}->{manifest['tgt_lang']} (expected a {manifest['tgt_lang']}->{manifest['src_lang']} model)")
@@ -366,7 +369,7 @@ def run(a) -> int:
                 combine(a, manifest, sp, keys, mono_stats, model_id, t0)
         finally:
             if lock is not None:
-                lock.close()
+                lock.release()
     return 0
 
 
@@ -374,13 +377,12 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     try:
         return run(a)
-    except PrepError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except OSError as e:
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-        return 1
+        print(f"error: {files.describe_os_error(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,11 +17,9 @@ reference (entities unescaped, nothing else changed: detokenized sacreBLEU score
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +28,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from admin_ds.files import atomic_output
+from admin_ds.files import DirectoryLock, atomic_output
 from data_prep import PrepError
 from data_prep.clean import (DigestSet, PunctNormalizer, clean_chunk, decode_side, encode_chunk,
                              init_clean_worker, init_encode_worker, normalize)
@@ -143,22 +141,15 @@ def _run_steps(plan: Plan, request_key: str, train_fp: list, eval_fp: dict, eval
 
 def open_output_dir(out: Path):
     """Create the output folder, check that it is writable, and lock it against a second
-    preparation running in it at the same time. Returns the lock's file (keep it open)."""
+    preparation running in it at the same time. Returns the held lock (admin_ds.files.DirectoryLock)."""
     if out.exists() and not out.is_dir():
         raise PrepError(f"{out}: exists and is not a directory")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-        lock = open(out / ".prepare.lock", "a")
+        return DirectoryLock(out, ".prepare.lock")  # creates the folder; removes it again if left empty
+    except BlockingIOError as e:
+        raise PrepError(f"{out}: another preparation is running in this folder ({e})") from None
     except OSError as e:
         raise PrepError(f"{out}: cannot write to the output folder: {e.strerror or e}") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        raise PrepError(f"{out}: another preparation is running in this folder") from None
-    return lock
 
 
 def _step(steps: StepLog, name: str, inputs: dict, run: Callable[[str], dict], log) -> dict:

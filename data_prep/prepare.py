@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import sys
 from pathlib import Path
 
+from admin_ds.arguments import corpus_pair, existing_path, float_in, input_file, int_in
+from admin_ds.files import describe_os_error
 from data_prep import PrepError
 from data_prep.pipeline import FilterOptions, Plan, SubwordOptions, prepare
 from data_prep.sources import (FilePairs, TsvPairs, find_json_split, find_side,
@@ -38,11 +39,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="prepare_wmt14.sh", description="WMT14 (or local parallel text) -> binarized data directory.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("pair", help="language pair SRC-TGT: en-de or en-fr (any pair with local files); "
+    p.add_argument("pair", type=corpus_pair, help="language pair SRC-TGT: en-de or en-fr (any pair with local files); "
                                 "the first language is the source")
     p.add_argument("out_dir", type=Path, help="output data directory (created; re-runs resume in it)")
     src = p.add_argument_group("sources (default: the datasets library's wmt14 builder)")
-    src.add_argument("--raw-dir", type=Path, help="local files: training, dev and test text")
+    src.add_argument("--raw-dir", type=existing_path, help="local files: training, dev and test text")
     src.add_argument("--train-prefix", nargs="+", metavar="NAME",
                      help="training corpora in --raw-dir: NAME.SRC / NAME.TGT (plain, .gz or .sgm); "
                           "default 'train' unless --tsv is given")
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     src.add_argument("--test-prefix", metavar="NAME",
                      help="test set in --raw-dir (default newstest2014, or newstest2014-filtered "
                           "with --filtered-test)")
-    src.add_argument("--tsv", nargs="+", type=Path, metavar="FILE",
+    src.add_argument("--tsv", nargs="+", type=input_file, metavar="FILE",
                      help="training pairs as SRC<TAB>TGT lines (plain or gzip); needs --raw-dir for dev/test")
     src.add_argument("--json-dir", type=Path,
                      help="train/validation/test .jsonl files of {'translation': {SRC: ..., TGT: ...}} "
@@ -61,25 +62,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help=f"En-De only: use the filtered {FILTERED_TEST_LINES}-line newstest2014 "
                           "(local files: --raw-dir with newstest2014-filtered.{en,de} or .sgm)")
     sw = p.add_argument_group("subword model")
-    sw.add_argument("--vocab-size", type=int, help="joint vocabulary (default 32000 En-De, 40000 En-Fr)")
+    sw.add_argument("--vocab-size", type=int_in(8), help="joint vocabulary (default 32000 En-De, 40000 En-Fr)")
     sw.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
     sw.add_argument("--user-symbols", nargs="*", default=["<BT>"], metavar="SYM",
                     help="reserved pieces (ids 4, 5, ...); '<BT>' tags back-translated sources")
-    sw.add_argument("--spm-sample-lines", type=int, default=10_000_000,
+    sw.add_argument("--spm-sample-lines", type=int_in(1), default=10_000_000,
                     help="lines sampled from both cleaned sides to train SentencePiece")
-    sw.add_argument("--spm-threads", type=int, default=8,
+    sw.add_argument("--spm-threads", type=int_in(1), default=8,
                     help="SentencePiece trainer threads (the model depends on it: kept fixed by default)")
-    sw.add_argument("--character-coverage", type=float, default=1.0)
+    sw.add_argument("--character-coverage", type=float_in(0, 1, low_open=True), default=1.0)
     sw.add_argument("--seed", type=int, default=1)
     fl = p.add_argument_group("training-pair filters")
-    fl.add_argument("--min-len", type=int, default=1, help="minimum subwords per side")
-    fl.add_argument("--max-len", type=int, default=250, help="maximum subwords per side")
-    fl.add_argument("--ratio", type=float, default=1.5, help="maximum length ratio between the sides")
-    fl.add_argument("--max-line-bytes", type=int, default=4096,
+    fl.add_argument("--min-len", type=int_in(0), default=1, help="minimum subwords per side")
+    fl.add_argument("--max-len", type=int_in(1), default=250, help="maximum subwords per side")
+    fl.add_argument("--ratio", type=float_in(1), default=1.5, help="maximum length ratio between the sides")
+    fl.add_argument("--max-line-bytes", type=int_in(16), default=4096,
                     help="training lines longer than this (in UTF-8 bytes) are dropped while reading")
     run = p.add_argument_group("running")
-    run.add_argument("--workers", type=int, default=_cpus(), help="worker processes for cleaning and encoding")
-    run.add_argument("--chunk-lines", type=int, default=10_000, help="pairs per work unit")
+    run.add_argument("--workers", type=int_in(1), default=_cpus(), help="worker processes for cleaning and encoding")
+    run.add_argument("--chunk-lines", type=int_in(1), default=10_000, help="pairs per work unit")
     run.add_argument("--remove-work", action="store_true",
                      help="delete OUT/work (cleaned text, step records) at the end")
     run.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -95,22 +96,12 @@ def _cpus() -> int:
 
 def build_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
     """Check the options and find every input; raises PrepError naming what is wrong."""
-    m = re.fullmatch(r"([a-z]{2,3})-([a-z]{2,3})", args.pair)
-    if not m or m.group(1) == m.group(2):
-        raise PrepError(f"language pair {args.pair!r}: expected SRC-TGT, e.g. en-de or en-fr")
-    s, t = m.groups()
+    s, t = args.pair.split("-")  # checked by argparse (admin_ds.arguments.corpus_pair)
     vocab = args.vocab_size or DEFAULT_VOCAB.get(frozenset((s, t)))
     if vocab is None:
         raise PrepError(f"no default vocabulary size for {s}-{t}: give --vocab-size")
-    for name, value, low in (("--vocab-size", vocab, 8), ("--workers", args.workers, 1),
-                             ("--chunk-lines", args.chunk_lines, 1), ("--spm-sample-lines", args.spm_sample_lines, 1),
-                             ("--spm-threads", args.spm_threads, 1), ("--min-len", args.min_len, 0),
-                             ("--max-line-bytes", args.max_line_bytes, 16)):
-        if value < low:
-            raise PrepError(f"{name} must be at least {low}, got {value}")
-    if args.max_len < max(args.min_len, 1) or args.ratio < 1:
-        raise PrepError(f"need 1 <= --max-len (>= --min-len) and --ratio >= 1, got --max-len "
-                        f"{args.max_len}, --ratio {args.ratio}")
+    if args.max_len < args.min_len:
+        raise PrepError(f"--max-len {args.max_len} is below --min-len {args.min_len}")
     if args.json_dir and (args.raw_dir or args.tsv):
         raise PrepError("--json-dir cannot be combined with --raw-dir or --tsv: choose one source")
     if args.tsv and not args.raw_dir:
@@ -172,11 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         prepare(build_plan(args, argv))
     except PrepError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except OSError as e:  # e.g. disk full, or the output folder removed while running
-        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
-        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
-        return 1
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted; run the same command again to resume", file=sys.stderr)
         return 130

@@ -10,18 +10,18 @@ subword models differ.
 
 import argparse
 import sys
-from pathlib import Path
+
+from admin_ds.arguments import existing_path, int_in, output_file
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, type=Path, help="run directory (holding checkpoints/)")
-    p.add_argument("--last", type=int, required=True, help="number of newest complete checkpoints")
-    p.add_argument("--out", required=True, help="model file to write")
-    args = p.parse_args(argv)
-    if args.last < 1:
-        p.error("--last must be >= 1")
-    return args
+    p.add_argument("--run", required=True, type=existing_path, help="run directory (holding checkpoints/)")
+    p.add_argument("--last", type=int_in(1), required=True, help="number of newest complete checkpoints")
+    p.add_argument("--out", required=True, type=output_file, help="model file to write")
+    p.add_argument("--trust-unverified", action="store_true",
+                   help="accept checkpoints written without digests (an older version)")
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     from admin_ds.inference.model_file import save_model_file
 
     try:
-        mf = average_checkpoints(args.run, args.last)
+        mf = average_checkpoints(args.run, args.last, trust_unverified=args.trust_unverified)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

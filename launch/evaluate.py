@@ -16,10 +16,10 @@ import argparse
 import json
 import sys
 
+from admin_ds.arguments import input_file, language_pair
 from admin_ds.inference.scoring import (
     check_same_length,
     format_table,
-    parse_lang_pair,
     read_lines,
     score,
 )
@@ -33,12 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--hyp", required=True,
+        "--hyp", required=True, type=input_file,
         help="detokenized system output, UTF-8, one segment per line; '-' reads stdin",
     )
-    parser.add_argument("--ref", required=True, help="detokenized reference, UTF-8")
-    parser.add_argument("--src", help="source file; only checked for line alignment")
-    parser.add_argument("--lang", required=True, help="language pair src-tgt, e.g. en-de")
+    parser.add_argument("--ref", required=True, type=input_file, help="detokenized reference, UTF-8")
+    parser.add_argument("--src", type=input_file, help="source file; only checked for line alignment")
+    parser.add_argument("--lang", required=True, type=language_pair, help="language pair src-tgt, e.g. en-de")
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object instead of a table"
     )
@@ -48,10 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        try:
-            parse_lang_pair(args.lang)  # fail before reading (possibly large) files
-        except ValueError as err:
-            raise ValueError(f"--lang: {err}") from err
         files = {"--hyp": args.hyp, "--ref": args.ref, "--src": args.src}
         lines = {}
         for opt, path in files.items():

@@ -12,15 +12,18 @@ import argparse
 import sys
 from pathlib import Path
 
+from admin_ds.arguments import existing_path
 from admin_ds.inference.export import FORMATS
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run dir, checkpoint tag dir or model file")
+    p.add_argument("--checkpoint", required=True, type=existing_path, help="run dir, checkpoint tag dir or model file")
     p.add_argument("--tag", help="checkpoint tag in a run dir (default: the newest complete one)")
     p.add_argument("--format", choices=FORMATS, default="hf-marian")
     p.add_argument("--out", required=True, type=Path, help="output directory (created; must be empty if it exists)")
+    p.add_argument("--trust-unverified", action="store_true",
+                   help="accept a checkpoint or model file written without digests (an older version)")
     return p.parse_args(argv)
 
 
@@ -31,7 +34,7 @@ def main(argv=None) -> int:
     from admin_ds.inference.model_file import load_any
 
     try:
-        report = export(load_any(args.checkpoint, args.tag), args.format, args.out)
+        report = export(load_any(args.checkpoint, args.tag, args.trust_unverified), args.format, args.out)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from admin_ds.arguments import int_in
 from admin_ds.model import build_model, count_parameters
 from admin_ds.model.fold import fold_omega
 from admin_ds.model.presets import PRESET_NAMES, get_preset, preset_table
@@ -52,14 +53,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     ls = sub.add_parser("list", help="presets with parameter counts")
-    ls.add_argument("--vocab", type=int, nargs="+", default=[32768, 44512])
+    ls.add_argument("--vocab", type=int_in(5), nargs="+", default=[32768, 44512])
     ls.set_defaults(fn=cmd_list)
     demo = sub.add_parser("demo", help="build, profile, fold")
     demo.add_argument("--preset", default="admin-18L-18L", choices=PRESET_NAMES)
     demo.add_argument("--formula", default="reference", choices=["reference", "paper"])
-    demo.add_argument("--vocab-size", type=int, default=8000)
-    demo.add_argument("--batch", type=int, default=8)
-    demo.add_argument("--length", type=int, default=24)
+    demo.add_argument("--vocab-size", type=int_in(5), default=8000)
+    demo.add_argument("--batch", type=int_in(1), default=8)
+    demo.add_argument("--length", type=int_in(2), default=24)
     demo.add_argument("--seed", type=int, default=1)
     demo.set_defaults(fn=cmd_demo)
     args = p.parse_args(argv)

@@ -40,6 +40,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # The package itself, editable: `import admin_ds` works from any directory and every launcher.
-if ! python -c 'import admin_ds, sys; sys.exit(not admin_ds.__file__.startswith(sys.argv[1]))' "$ROOT" 2>/dev/null; then
+# The check runs from / so that the repository on the current path cannot answer for the install.
+if ! (cd / && python -c 'import admin_ds, sys; sys.exit(not admin_ds.__file__.startswith(sys.argv[1]))' "$ROOT") 2>/dev/null; then
   python -m pip install -q --no-deps -e "$ROOT"
 fi

@@ -18,13 +18,16 @@ import argparse
 import os
 import sys
 
+from admin_ds.arguments import input_file
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", required=True, help="engine JSON (ds_configs/*.json)")
     p.add_argument("--config", help="run config YAML (launch/configs/*.yaml)")
     p.add_argument("--profile-only", action="store_true", help="write the Admin profile and exit")
-    p.add_argument("--profile", help="reuse a profile (admin_profile.json or profile.ratio.init)")
+    p.add_argument("--profile", type=input_file,
+                   help="reuse a profile (admin_profile.json, profile.ratio.init or a deepnmt profile)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     return p.parse_known_args(argv)
 
@@ -42,12 +45,17 @@ def main(argv=None, hooks=None) -> int:
         if args.profile_only:
             run.admin.profile_only = True
         if args.profile:
-            run.admin.profile = args.profile
+            run.admin.profile = str(args.profile)
         from admin_ds.train.loop import train
 
         train(run, args.deepspeed_config, hooks)
     except (UserError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the run needs cannot be read or written
+        from admin_ds.files import describe_os_error
+
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -26,31 +26,36 @@ import argparse
 import sys
 import time
 
+from admin_ds.arguments import existing_path, float_in, input_file, int_in
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run dir, checkpoint tag dir or model file")
+    p.add_argument("--checkpoint", required=True, type=existing_path, help="run dir, checkpoint tag dir or model file")
     p.add_argument("--tag", help="checkpoint tag in a run dir (default: the newest complete one)")
-    p.add_argument("--input", required=True, help="raw text file, one sentence per line; - for stdin")
+    p.add_argument("--input", required=True, type=input_file, help="raw text file, one sentence per line; - for stdin")
     p.add_argument("--method", choices=("beam", "greedy", "sample"), default="beam")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--lenpen", type=float, default=0.6)
-    p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (beam only)")
-    p.add_argument("--max-len-a", type=float, default=1.2, help="max output length a * src_len + b")
-    p.add_argument("--max-len-b", type=int, default=10)
-    p.add_argument("--min-len", type=int, default=1)
-    p.add_argument("--unk-penalty", type=float, default=0.0)
-    p.add_argument("--topk", type=int, default=0, help="sampling: the k most likely tokens (0: all)")
-    p.add_argument("--topp", type=float, default=0.0, help="sampling: nucleus mass in (0, 1)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--beam", type=int_in(1), default=4)
+    p.add_argument("--lenpen", type=float_in(), default=0.6)
+    p.add_argument("--nbest", type=int_in(1), default=1, help="hypotheses per sentence (beam only)")
+    p.add_argument("--max-len-a", type=float_in(0), default=1.2, help="max output length a * src_len + b")
+    p.add_argument("--max-len-b", type=int_in(0), default=10)
+    p.add_argument("--min-len", type=int_in(0), default=1)
+    p.add_argument("--unk-penalty", type=float_in(), default=0.0)
+    p.add_argument("--topk", type=int_in(0), default=0, help="sampling: the k most likely tokens (0: all)")
+    p.add_argument("--topp", type=float_in(0, 1, low_open=True), default=1.0,
+                   help="sampling: the nucleus of this probability mass, in (0, 1] (1: all)")
+    p.add_argument("--temperature", type=float_in(0, low_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=1, help="sampling seed (rank r uses seed + r)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (n x longest)")
+    p.add_argument("--max-tokens", type=int_in(1), default=4096, help="source tokens per batch (n x longest)")
     p.add_argument("--fold", action="store_true", help="fold omega into the weights first")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     p.add_argument("--plain-linear", action="store_true",
                    help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference/packed.py)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--trust-unverified", action="store_true",
+                   help="accept a checkpoint or model file written without digests (an older version)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
     if args.nbest > 1 and args.method != "beam":
@@ -117,9 +122,9 @@ def main(argv=None) -> int:
         try:
             if device == "cuda":
                 device = f"cuda:{torch.cuda.current_device()}"
-            lines = read_input(args.input, rank)
+            lines = read_input(str(args.input), rank)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
-                                                  packed=not args.plain_linear)
+                                                  packed=not args.plain_linear, trust_unverified=args.trust_unverified)
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

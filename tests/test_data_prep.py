@@ -311,7 +311,7 @@ def test_dirty_lines_are_dropped_and_counted(tmp_path, capsys):
 
 
 def _assert_failed(rc: int, err: str, out: Path, *names: str) -> None:
-    assert rc == 1, err
+    assert rc == 2, err
     line = [ln for ln in err.splitlines() if ln.startswith("error: ")]
     assert line, err
     for name in names:

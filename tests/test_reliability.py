@@ -17,6 +17,8 @@ import torch
 from conftest import NO_DROPOUT, overrides
 from distributed import REPO, free_port, spawn
 
+from admin_ds import safe_load
+
 
 def rel(a, b):
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
@@ -52,8 +54,8 @@ def _tags(run_dir):
 def _final_state(run_dir, tag):
     """The model and the fp32 master partition of a ZeRO-2 single-process checkpoint."""
     d = Path(run_dir) / "checkpoints" / tag
-    module = torch.load(d / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-    optim = torch.load(d / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    module = safe_load.load(d / "mp_rank_00_model_states.pt")["module"]
+    optim = safe_load.load(d / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     masters = optim["optimizer_state_dict"]["single_partition_of_fp32_groups"]
     return module, masters
 

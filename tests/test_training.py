@@ -168,7 +168,7 @@ def _refused(*args, ds=None, tmp=None):
     ({"train_micro_batch_size_per_gpu": 8}, [], "train_micro_batch_size_per_gpu=8: a micro-batch is one token bucket"),
     ({}, ["--optim.lr=-1"], "optim.lr: must be positive"),
     ({}, ["--model.num_heads=5"], "model.num_heads: must divide model_dim=64"),
-    ({}, ["--train.nope=1"], "unknown field 'train.nope'"),
+    ({}, ["--train.nope=1"], "command line: train.nope: unknown key"),
     ({}, ["--model.preset=admin-7L"], "model.preset: unknown preset 'admin-7L'"),
     ({}, ["--data.path=/nonexistent/dir"], "data.path: /nonexistent/dir: no manifest.json"),
     ("{ not json", [], "invalid JSON"),

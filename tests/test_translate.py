@@ -224,7 +224,6 @@ def _hf_greedy(hf, src, max_len):
 
 
 def _export(source, out_dir):
-    pytest.importorskip("transformers", reason="the export test needs transformers (requirements-dev.txt)")
     from admin_ds.inference.export import export_hf_marian
 
     from admin_ds.inference.model_file import load_any
@@ -287,7 +286,6 @@ def test_marian_export_same_logits_and_greedy(exports, which, lines):
 
 def test_marian_export_tied_layout_and_refusals(tmp_path, run_dir):
     """Without an embedding-output scale (default init) the standard tied layout; Pre-LN refused."""
-    pytest.importorskip("transformers", reason="the export test needs transformers (requirements-dev.txt)")
     from transformers import MarianMTModel
 
     from admin_ds.inference.export import ExportError, export_hf_marian
@@ -320,7 +318,6 @@ def _ct2_greedy(model_dir, subword, src, max_len):
 
 
 def test_ctranslate2_conversion_greedy_equals_ours(exports, run_dir, tmp_path):
-    pytest.importorskip("ctranslate2", reason="the conversion test needs ctranslate2 (requirements-dev.txt)")
     from admin_ds.inference.export import convert_ct2
 
     source, _, hf_dir = exports["copy"]
@@ -353,7 +350,7 @@ def test_bad_input_gives_clear_messages(run_dir, input_file, tmp_path):
     torn = tmp_path / "torn_run"
     shutil.copytree(run_dir / "checkpoints/update_000010", torn / "checkpoints/update_000010")
     (torn / "checkpoints/update_000010/COMPLETE").unlink()
-    refused(cli("translate.py", "--checkpoint", torn, "--input", input_file), "no complete checkpoint")
+    refused(cli("translate.py", "--checkpoint", torn, "--input", input_file), "no complete, intact checkpoint")
     with pytest.raises(ModelFileError, match="checkpoint is incomplete"):
         load_any(torn / "checkpoints/update_000010")
     with pytest.raises(ModelFileError, match="not an admin-ds model file"):
@@ -363,5 +360,5 @@ def test_bad_input_gives_clear_messages(run_dir, input_file, tmp_path):
     for tag in ("update_000030", "update_000040"):
         shutil.copytree(run_dir / "checkpoints" / tag, two / "checkpoints" / tag)
     refused(cli("average_checkpoints.py", "--run", two, "--last", 5, "--out", tmp_path / "avg.pt"),
-            "2 complete checkpoint(s) (update_000030, update_000040), fewer than --last 5")
+            "2 complete, intact checkpoint(s) (update_000030, update_000040), fewer than --last 5")
     assert not (tmp_path / "avg.pt").exists()

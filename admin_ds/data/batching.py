@@ -293,6 +293,15 @@ class EpochBatchIterator:
                 f"{len(self._indices)} usable sentences ({self._dropped} dropped by "
                 f"max_positions={max_positions}) for {required_multiple} batches per round"
             )
+        # Checked here, for all epochs at once, so the message can name the line: a pair that
+        # does not fit a micro-batch on its own would stop training mid-epoch otherwise.
+        cost = np.maximum(dataset.src_sizes[self._indices], dataset.tgt_sizes[self._indices]).astype(np.int64) + 1
+        too_long = np.flatnonzero(cost > max_tokens)
+        if too_long.size:
+            raise ValueError(
+                f"line {int(self._indices[too_long[0]]) + 1} needs {int(cost[too_long[0]])} tokens with EOS, more "
+                f"than max_tokens={max_tokens} ({too_long.size} such pair(s); the longest needs {int(cost.max())})"
+            )
 
         self._epoch = 1
         self._position = 0

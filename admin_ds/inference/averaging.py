@@ -19,21 +19,24 @@ from admin_ds.errors import CheckpointError
 from admin_ds.inference.model_file import ModelFile, load_run_checkpoint
 
 
-def average_checkpoints(run_dir: Path, last: int, log=lambda msg: print(msg, file=sys.stderr)) -> ModelFile:
-    """The ModelFile averaging the ``last`` newest complete checkpoints of ``run_dir``."""
-    from admin_ds.train.checkpoints import complete_tags
+def average_checkpoints(run_dir: Path, last: int, log=lambda msg: print(msg, file=sys.stderr),
+                        trust_unverified: bool = False) -> ModelFile:
+    """The ModelFile averaging the ``last`` newest complete, intact checkpoints of ``run_dir``.
+    A checkpoint whose files no longer match their digests is set aside (``<tag>.corrupt``, as a
+    resume does), with a warning, and an older one takes its place."""
+    from admin_ds.train.checkpoints import newest_verified_tags
 
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")
-    tags = complete_tags(run_dir / "checkpoints")
+    tags = newest_verified_tags(run_dir / "checkpoints", last, log=lambda msg: log(f"warning: {msg}"))
     if len(tags) < last:
-        raise CheckpointError(f"{run_dir}: {len(tags)} complete checkpoint(s) "
+        raise CheckpointError(f"{run_dir}: {len(tags)} complete, intact checkpoint(s) "
                               f"({', '.join(tags) or 'none'}), fewer than --last {last}")
     tags = tags[-last:]
     sums: dict[str, torch.Tensor] = {}
     first = newest = None
     for tag in tags:
-        mf = load_run_checkpoint(run_dir, tag)
+        mf = load_run_checkpoint(run_dir, tag, trust_unverified)
         if first is None:
             first = mf
             sums = {k: v.double() for k, v in mf.state_dict.items()}

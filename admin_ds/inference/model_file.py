@@ -1,13 +1,14 @@
 """The self-contained fp32 model file, and fp32 weights out of a training checkpoint.
 
-A *model file* is what leaves a run: one ``torch.save`` of plain data, readable with
-``torch.load(..., weights_only=True)`` (tensors, dicts, lists, str, int, float, None and bytes
-only, so opening a file from elsewhere runs no pickled code)::
+A *model file* is what leaves a run: one ``torch.save`` of plain data, read back with the safe
+loader (admin_ds/safe_load.py: tensors, dicts, lists, str, int, float, None and bytes only, so
+opening a file from elsewhere runs no pickled code), and checked against the digest it carries::
 
-    {"format": "admin-ds-model", "version": 1,
+    {"format": "admin-ds-model", "version": 2,
      "model_config": ModelConfig.to_dict(), "state_dict": {name: float32 tensor},
      "profile": Profile.to_dict() | None, "run_config": RunConfig.to_dict() | None,
-     "subword_model": the SentencePiece model's bytes, "meta": {provenance}}
+     "subword_model": the SentencePiece model's bytes, "meta": {provenance},
+     "sha256": content_digest(the above but meta and run_config)}
 
 It carries everything needed to translate (weights, architecture, the exact subword model) and to
 audit where it came from (the run config, the Admin profile, the source checkpoint and update).
@@ -32,6 +33,9 @@ DeepSpeed stays out of the training-free path: loading a model file never import
 (admin_ds/train/engine.py remains the one owner of training-time DeepSpeed; consolidating a
 finished checkpoint is reading files, not running an engine.)
 
+Every checkpoint is verified before it is read: its files against the sizes and sha256 digests
+in its ``COMPLETE`` marker, and their pickles for anything that would run code (``_locate``).
+
 ``load_for_decoding`` is the one way every translating command (translate.py, back-translation,
 the decoding benchmark) gets a model: from a model file, a run directory or a checkpoint tag.
 """
@@ -42,23 +46,22 @@ import contextlib
 import io
 import json
 import os
-import pickle
+import hashlib
 import sys
 import tempfile
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from admin_ds import files
+from admin_ds import files, safe_load
 from admin_ds.errors import CheckpointError
 from admin_ds.model.config import ModelConfig
 
 FORMAT = "admin-ds-model"
-VERSION = 1
+VERSION = 2  # 2: a content digest; 1 (no digest) loads only with trust_unverified
 
 # The file of a DeepSpeed tag that carries the client state: ZeRO-0/1/2 and pipeline runs write
 # mp_rank_00_model_states.pt, ZeRO-3 writes one zero_pp_rank_{r}_... file per rank instead.
@@ -99,31 +102,58 @@ def save_model_file(path: str | os.PathLike, model_config: ModelConfig, state_di
     blob = {"format": FORMAT, "version": VERSION, "model_config": model_config.to_dict(),
             "state_dict": tensors, "profile": profile, "run_config": run_config,
             "subword_model": bytes(subword_model_bytes), "meta": dict(meta)}
+    blob["sha256"] = content_digest(blob)
     buf = io.BytesIO()
     torch.save(blob, buf)
     return files.write_bytes(path, buf.getvalue())
 
 
-def load_model_file(path: str | os.PathLike) -> ModelFile:
-    """Read a model file (``weights_only=True``: no pickled code runs). Raises ``ModelFileError``
-    naming the file when it is missing or is not a model file."""
+def content_digest(blob: dict) -> str:
+    """sha256 of what a model file says: the architecture, every tensor (name, dtype, shape, bytes),
+    the profile and the subword model. A file changed after it was written no longer matches."""
+    h = hashlib.sha256()
+    h.update(json.dumps([blob["model_config"], blob["profile"]], sort_keys=True).encode())
+    for name in sorted(blob["state_dict"]):
+        t = blob["state_dict"][name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(bytes(blob["subword_model"]))
+    return h.hexdigest()
+
+
+def load_model_file(path: str | os.PathLike, trust_unverified: bool = False) -> ModelFile:
+    """Read a model file (admin_ds/safe_load.py: no pickled code runs) and check its content digest.
+    A file written before digests existed loads only with ``trust_unverified``. Raises
+    ``ModelFileError`` naming the file and what is wrong."""
     path = Path(path)
+    if path.is_dir():
+        raise ModelFileError(f"{path}: a directory, not a model file{_HINT}")
     if not path.is_file():
         raise ModelFileError(f"{path}: no such model file")
     try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, zipfile.BadZipFile, EOFError, ValueError) as e:
-        raise ModelFileError(f"{path}: not an admin-ds model file (a weights-only torch.load "
-                             f"failed: {type(e).__name__}){_HINT}") from None
+        blob = safe_load.load(path)
+    except safe_load.UnsafeFileError:
+        raise
+    except CheckpointError as e:
+        raise ModelFileError(f"{path}: not an admin-ds model file ({str(e).removeprefix(f'{path}: ')}){_HINT}") from None
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         raise ModelFileError(f"{path}: not an admin-ds model file (no '{FORMAT}' format marker){_HINT}")
-    if blob.get("version") != VERSION:
+    if blob.get("version") not in (1, VERSION):
         raise ModelFileError(f"{path}: model file version {blob.get('version')!r}; this code reads "
-                             f"version {VERSION}")
-    return ModelFile(model_config=ModelConfig.from_dict(blob["model_config"]),
-                     state_dict=blob["state_dict"], profile=blob["profile"],
-                     run_config=blob["run_config"], subword_model_bytes=blob["subword_model"],
-                     meta=blob["meta"])
+                             f"versions 1 and {VERSION}")
+    if "sha256" not in blob:
+        if not trust_unverified:
+            raise ModelFileError(f"{path}: carries no content digest (written by an older version), so a change "
+                                 "made to it since cannot be detected; pass --trust-unverified to use it anyway")
+    elif content_digest(blob) != blob["sha256"]:
+        raise ModelFileError(f"{path}: its contents do not match the sha256 recorded when it was written "
+                             "(modified or corrupt)")
+    try:
+        config = ModelConfig.from_dict(blob["model_config"])
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"{path}: model_config: {e}") from None
+    return ModelFile(model_config=config, state_dict=blob["state_dict"], profile=blob["profile"],
+                     run_config=blob["run_config"], subword_model_bytes=blob["subword_model"], meta=blob["meta"])
 
 
 def build_from_model_file(mf: ModelFile, device: str | torch.device = "cpu",
@@ -150,9 +180,14 @@ def build_from_model_file(mf: ModelFile, device: str | torch.device = "cpu",
 # --------------------------------------------------------------------------------------------
 
 
-def _locate(path: Path, tag: Optional[str]) -> tuple[Path, str]:
-    """(checkpoints dir, tag) for a run dir, a run's ``checkpoints`` dir or a tag dir."""
-    from admin_ds.train.checkpoints import COMPLETE, is_complete, newest_complete
+def _locate(path: Path, tag: Optional[str], trust_unverified: bool) -> tuple[Path, str]:
+    """(checkpoints dir, tag) for a run dir, a run's ``checkpoints`` dir or a tag dir, verified:
+    the tag's files match the sizes and sha256 in its ``COMPLETE`` marker, and none of them would
+    run code when unpickled. Given a run directory, a tag that fails is set aside (``<tag>.corrupt``,
+    as a resume does) and the newest intact one is used, with a warning; a tag given explicitly is
+    refused, naming the file. A checkpoint without digests (older format) only with
+    ``trust_unverified``."""
+    from admin_ds.train.checkpoints import COMPLETE, is_complete, newest_verified, read_info, verify
 
     if not path.exists():
         raise ModelFileError(f"{path}: no such run directory, checkpoint directory or model file")
@@ -165,29 +200,24 @@ def _locate(path: Path, tag: Optional[str]) -> tuple[Path, str]:
     else:
         ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
         if tag is None:
-            tag = newest_complete(ckpt_dir)
+            tag = newest_verified(ckpt_dir, log=lambda msg: print(f"warning: {msg}", file=sys.stderr))
             if tag is None:
-                raise ModelFileError(f"{path}: no complete checkpoint (no update_NNNNNN/ with a "
-                                     f"{COMPLETE} marker under {ckpt_dir})")
+                raise ModelFileError(f"{path}: no complete, intact checkpoint (update_NNNNNN/ with a valid "
+                                     f"{COMPLETE} marker whose files match) under {ckpt_dir}")
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
         raise ModelFileError(f"{tag_dir}: no such checkpoint")
     if not is_complete(tag_dir):
-        raise ModelFileError(f"{tag_dir}: checkpoint is incomplete (no {COMPLETE} marker: a save "
-                             f"that was interrupted)")
+        raise ModelFileError(f"{tag_dir}: checkpoint is incomplete (no valid {COMPLETE} marker: a save that was "
+                             "interrupted, or a damaged marker)")
+    problem = verify(tag_dir)
+    if problem is not None:
+        raise ModelFileError(f"{tag_dir}: corrupt: {problem}")
+    if not read_info(tag_dir).get("files") and not trust_unverified:
+        raise ModelFileError(f"{tag_dir}: its {COMPLETE} marker records no file digests (an older format), so "
+                             "changed files cannot be detected; pass --trust-unverified to use it anyway")
+    safe_load.check_tag(tag_dir)  # before DeepSpeed's readers, which run a full unpickle
     return ckpt_dir, tag
-
-
-def _load_states_file(path: Path) -> dict:
-    """DeepSpeed's model-states file of a tag. ``weights_only=True`` reads it with DeepSpeed
-    0.19.8 (checked for ZeRO-0/2/3, fp32 and bf16). If a DeepSpeed version or optimizer stores
-    objects outside the safe allowlist, fall back to a full unpickle: this is DeepSpeed's internal
-    file, written by our own training run (not a file to be shared, which is what the model file
-    is for), and DeepSpeed itself loads it with weights_only=False."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 @contextlib.contextmanager
@@ -239,7 +269,7 @@ def _pipeline_weights(tag_dir: Path, model_config: ModelConfig, profile: Optiona
     with tempfile.TemporaryDirectory(prefix="admin_ds_universal_") as tmp:
         with _stdout_to_stderr():
             ds_to_universal(tag_dir, Path(tmp))
-        named = {d.name: torch.load(d / "fp32.pt", weights_only=True)["param"]
+        named = {d.name: safe_load.load(d / "fp32.pt")["param"]
                  for d in (Path(tmp) / "zero").iterdir() if (d / "fp32.pt").is_file()}
     model = build_model(model_config, seed=0)  # buffers fixed by the config; parameters replaced below
     if profile:
@@ -272,22 +302,23 @@ def _subword_bytes(run_dir: Path, run_config: Optional[dict], expected_sha: Opti
     return data, manifest
 
 
-def load_run_checkpoint(run_dir_or_tag_dir: str | os.PathLike, tag: Optional[str] = None) -> ModelFile:
+def load_run_checkpoint(run_dir_or_tag_dir: str | os.PathLike, tag: Optional[str] = None,
+                        trust_unverified: bool = False) -> ModelFile:
     """fp32 weights, configs, profile and subword model of one complete checkpoint.
 
     ``run_dir_or_tag_dir``: a run directory (``tag`` or else its newest complete checkpoint), its
     ``checkpoints`` directory, or one ``update_NNNNNN`` tag directory."""
     with _stdout_to_stderr():
-        return _load_run_checkpoint(Path(run_dir_or_tag_dir), tag)
+        return _load_run_checkpoint(Path(run_dir_or_tag_dir), tag, trust_unverified)
 
 
-def _load_run_checkpoint(path: Path, tag: Optional[str]) -> ModelFile:
-    ckpt_dir, tag = _locate(path, tag)
+def _load_run_checkpoint(path: Path, tag: Optional[str], trust_unverified: bool) -> ModelFile:
+    ckpt_dir, tag = _locate(path, tag, trust_unverified)
     tag_dir = ckpt_dir / tag
     states_file = next((tag_dir / f for f in _CLIENT_STATE_FILES if (tag_dir / f).is_file()), None)
     if states_file is None:
         raise ModelFileError(f"{tag_dir}: no DeepSpeed model-states file ({' or '.join(_CLIENT_STATE_FILES)})")
-    states = _load_states_file(states_file)
+    states = safe_load.load(states_file)
     client = states.get("admin_ds")
     if not client:
         raise ModelFileError(f"{states_file}: no 'admin_ds' client state: not a checkpoint of this code")
@@ -318,16 +349,18 @@ def _load_run_checkpoint(path: Path, tag: Optional[str]) -> ModelFile:
                      subword_model_bytes=spm_bytes, meta=meta)
 
 
-def load_any(path: str | os.PathLike, tag: Optional[str] = None) -> ModelFile:
-    """A model file, a run directory or a checkpoint tag directory, whichever ``path`` is."""
+def load_any(path: str | os.PathLike, tag: Optional[str] = None, trust_unverified: bool = False) -> ModelFile:
+    """A model file, a run directory or a checkpoint tag directory, whichever ``path`` is, verified
+    (``load_model_file``, ``load_run_checkpoint``)."""
     path = Path(path)
     if path.is_file():
-        return load_model_file(path)
-    return load_run_checkpoint(path, tag)
+        return load_model_file(path, trust_unverified)
+    return load_run_checkpoint(path, tag, trust_unverified)
 
 
 def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32, fold: bool = False, packed: bool = True):
+                      dtype: torch.dtype = torch.float32, fold: bool = False, packed: bool = True,
+                      trust_unverified: bool = False):
     """``(model, subword model, ModelFile)`` ready to translate: in eval mode on ``device`` in
     ``dtype``; omega folded away first if ``fold`` (fold.py: the same translations from a vanilla
     Post-LN model); on a CPU in fp32 the weights packed for oneDNN unless ``packed=False``
@@ -335,7 +368,7 @@ def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device
     from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.model.fold import fold_omega
 
-    mf = load_any(path, tag)
+    mf = load_any(path, tag, trust_unverified)
     model, subword = build_from_model_file(mf, "cpu", torch.float32)
     if fold:
         model = fold_omega(model)  # in fp32, before any cast

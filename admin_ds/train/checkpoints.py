@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -67,7 +66,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from admin_ds import distributed, files
+from admin_ds import distributed, files, safe_load
 from admin_ds.errors import CheckpointError, ConfigError
 
 COMPLETE = "COMPLETE"
@@ -87,15 +86,18 @@ def tag_for(update: int) -> str:
 
 
 def read_info(tag_dir: Path) -> dict:
-    """The ``COMPLETE`` marker's description of a complete checkpoint."""
+    """The ``COMPLETE`` marker's description of a complete checkpoint ({} if it does not parse)."""
     try:
-        return json.loads((tag_dir / COMPLETE).read_text())
-    except (OSError, json.JSONDecodeError):
+        info = json.loads((tag_dir / COMPLETE).read_text())
+    except (OSError, ValueError):  # ValueError: invalid JSON or invalid UTF-8
         return {}
+    return info if isinstance(info, dict) else {}
 
 
 def is_complete(tag_dir: Path) -> bool:
-    return (tag_dir / COMPLETE).is_file()
+    """A ``COMPLETE`` marker that parses: one that does not (a torn or damaged write) counts as
+    incomplete, so the previous checkpoint is chosen instead of failing every rerun."""
+    return (tag_dir / COMPLETE).is_file() and isinstance(read_info(tag_dir), dict) and bool(read_info(tag_dir))
 
 
 def complete_tags(ckpt_dir: Path) -> list[str]:
@@ -142,13 +144,32 @@ def newest_verified(ckpt_dir: str | os.PathLike, log=print) -> Optional[str]:
         problem = verify(ckpt_dir / tag)
         if problem is None:
             return tag
-        log(f"[resume] {ckpt_dir / tag} is corrupt ({problem}): moved to {tag}.corrupt; "
-            "trying the previous checkpoint")
-        aside = ckpt_dir / f"{tag}.corrupt"
-        shutil.rmtree(aside, ignore_errors=True)
-        (ckpt_dir / tag / "CORRUPT").write_text(problem + "\n")
-        os.replace(ckpt_dir / tag, aside)
+        _set_aside(ckpt_dir, tag, problem, log)
     return None
+
+
+def newest_verified_tags(ckpt_dir: str | os.PathLike, count: int, log=print) -> list[str]:
+    """The ``count`` newest complete checkpoints whose files are intact (fewer if there are not
+    so many), oldest first; corrupt ones met on the way are set aside as by ``newest_verified``."""
+    ckpt_dir, found = Path(ckpt_dir), []
+    for tag in reversed(complete_tags(ckpt_dir)):
+        if len(found) == count:
+            break
+        problem = verify(ckpt_dir / tag)
+        if problem is None:
+            found.append(tag)
+        else:
+            _set_aside(ckpt_dir, tag, problem, log)
+    return found[::-1]
+
+
+def _set_aside(ckpt_dir: Path, tag: str, problem: str, log) -> None:
+    log(f"[resume] {ckpt_dir / tag} is corrupt ({problem}): moved to {tag}.corrupt; "
+        "trying the previous checkpoint")
+    aside = ckpt_dir / f"{tag}.corrupt"
+    shutil.rmtree(aside, ignore_errors=True)
+    (ckpt_dir / tag / "CORRUPT").write_text(problem + "\n")
+    os.replace(ckpt_dir / tag, aside)
 
 
 def rng_state() -> dict:
@@ -337,6 +358,7 @@ class CheckpointManager:
         source = tag
         if plan.universal:
             source = self._universal(engine, plan).name
+        safe_load.check_tag(self.dir / source)  # DeepSpeed's own load runs a full unpickle
         with _universal_loading(engine, plan.universal):
             path, client = engine.load_checkpoint(str(self.dir), tag=source, load_optimizer_states=True,
                                                   load_lr_scheduler_states=True)
@@ -345,8 +367,8 @@ class CheckpointManager:
         rng_file = self.dir / tag / f"rng_rank{distributed.rank()}.pt"
         if rng_file.is_file():
             try:
-                set_rng_state(torch.load(rng_file, weights_only=True))
-            except pickle.UnpicklingError:  # written before RNG states were stored as tensors
+                set_rng_state(safe_load.load(rng_file))
+            except CheckpointError:  # written before RNG states were stored as tensors
                 self.log(f"[resume] warning: {rng_file} is in an old pickled format and is not loaded; "
                          "dropout masks will differ from the uninterrupted run")
         return client
@@ -384,6 +406,7 @@ class CheckpointManager:
         # The converter's worker processes pay off on large checkpoints only (each imports torch).
         size = sum(f.stat().st_size for f in (self.dir / plan.tag).iterdir() if f.is_file())
         workers = 1 if size < 2**30 else max(1, min(8, (os.cpu_count() or 2) // 2))
+        safe_load.check_tag(self.dir / plan.tag)  # the converter runs a full unpickle
         ds_to_universal(self.dir / plan.tag, tmp, num_workers=workers)
         (self.dir / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; we name tags
         _alias_model_states(tmp)
@@ -408,12 +431,12 @@ class CheckpointManager:
         with _GuardedWrites(engine, self.write_hooks, update) as guard:
             engine.save_checkpoint(str(self.dir), tag=tag, client_state=state, save_latest=False)
             if guard.error is None:
+                rng_file = tag_dir / f"rng_rank{distributed.rank()}.pt"
                 try:
-                    rng_file = tag_dir / f"rng_rank{distributed.rank()}.pt"
                     torch.save(rng_state(), rng_file)
                     guard.files[rng_file.name] = files.file_digest(rng_file)
                 except (OSError, RuntimeError) as e:
-                    guard.error = e
+                    guard.error = _write_error(e, rng_file)
         written = self._agree_or_fail(tag, guard.error, guard.files)
         error = None
         if distributed.rank() == 0:
@@ -425,7 +448,7 @@ class CheckpointManager:
                 files.write_text(tag_dir / COMPLETE, json.dumps(info) + "\n")
                 files.write_text(self.dir / POINTER, tag + "\n")
             except OSError as e:
-                error = e
+                error = _write_error(e, tag_dir / COMPLETE)
             else:
                 self._prune(keep=tag)
         self._agree_or_fail(tag, error, {})
@@ -434,7 +457,7 @@ class CheckpointManager:
     def _agree_or_fail(self, tag: str, error: Optional[Exception], written: dict) -> dict:
         """Collective: if any rank failed to write, remove the torn tag and raise on every rank.
         Otherwise returns every rank's written files (name -> [size, sha256]) on rank 0."""
-        mine = (None if error is None else f"rank {distributed.rank()}: {error}", written)
+        mine = (None if error is None else f"rank {distributed.rank()}: {files.describe_os_error(error)}", written)
         parts = [None] * distributed.world_size()
         if distributed.world_size() > 1:
             torch.distributed.all_gather_object(parts, mine)
@@ -514,15 +537,15 @@ class _GuardedWrites:
         def save(*args, **kwargs):
             if self.error is not None:
                 return None
+            path = Path(kwargs["path"] if "path" in kwargs else args[1])
             try:
                 for hook in self.hooks:
                     hook(self.update, self.written)
                 result = self.inner(*args, **kwargs)
                 if self.digests:
-                    path = Path(kwargs["path"] if "path" in kwargs else args[1])
                     self.files[path.name] = files.file_digest(path)
             except (OSError, RuntimeError) as e:
-                self.error = e
+                self.error = _write_error(e, path)
                 return None
             self.written += 1
             return result
@@ -536,6 +559,19 @@ class _GuardedWrites:
         else:
             del self.target.save  # the class's method again
         return None
+
+
+def _write_error(e: Exception, path: Path) -> OSError:
+    """A failed checkpoint write as an OSError naming the file (``torch.save`` reports a full disk
+    as a RuntimeError without a path) and, when the disk is full, the free space."""
+    import errno
+
+    if not isinstance(e, OSError):
+        full = "write" in str(e).lower() or "space" in str(e).lower()
+        e = OSError(errno.ENOSPC if full else errno.EIO, str(e).splitlines()[0][:200])
+    if not e.filename:
+        e = OSError(e.errno, e.strerror or str(e), str(path))
+    return e
 
 
 def _alias_model_states(udir: Path) -> None:
@@ -567,22 +603,22 @@ def _harmonise_optimizer_state(zero_dir: Path) -> None:
     import deepspeed
 
     path = zero_dir / "optimizer_state.pt"
-    sd = torch.load(path, weights_only=False)  # DeepSpeed's file, written by its converter just now
+    sd = safe_load.load(path)
     params = sorted(p for p in zero_dir.iterdir() if p.is_dir())
     inner = sd.get("optimizer_state_dict")
     if inner is None:  # converted from ZeRO-1/2: the step lives in each parameter's step.pt
-        step = next((torch.load(p / "step.pt", weights_only=False) for p in params if (p / "step.pt").is_file()), None)
+        step = next((safe_load.load(p / "step.pt") for p in params if (p / "step.pt").is_file()), None)
         sd["optimizer_state_dict"] = {"state": {} if step is None else {0: {"step": step}},
                                       "param_groups": sd["param_groups"]}
     else:  # converted from ZeRO-3: flat tensors, no shapes, no per-parameter step
         shapes = {}
         for f in sorted(zero_dir.parent.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")):
-            for group in torch.load(f, map_location="cpu", weights_only=False)["param_shapes"]:
+            for group in safe_load.load(f)["param_shapes"]:
                 shapes.update(group)
         step = inner.get("state", {}).get(0, {}).get("step")
         for p in params:
             for key in ("fp32", "exp_avg", "exp_avg_sq"):
-                t = torch.load(p / f"{key}.pt", weights_only=False)
+                t = safe_load.load(p / f"{key}.pt")
                 if torch.is_tensor(t):  # ZeRO-1/2 read {"param": tensor of the parameter's shape}
                     torch.save({"param": t.reshape(shapes[p.name])}, p / f"{key}.pt")
             if step is not None and not (p / "step.pt").exists():

@@ -72,12 +72,37 @@ def init_distributed(port: int = 29500, timeout_s: int = 600, connect_timeout_s:
 
 def load_ds_config(path: str | os.PathLike) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--deepspeed_config: {p} is a directory, not a DeepSpeed JSON file")
     if not p.is_file():
         raise ConfigError(f"--deepspeed_config: no such file: {p}")
     try:
-        return json.loads(p.read_text())
+        ds = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file (a DeepSpeed JSON is expected)") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{p}: the top level must be a JSON object, got {type(ds).__name__}")
+    _check(ds, str(p))
+    return ds
+
+
+def _check(ds: dict, source: str) -> None:
+    """The whole file against the installed DeepSpeed (admin_ds/train/ds_config.py), before any
+    process group or engine exists; batch numbers and the pipeline's stage count are ours to
+    resolve later, so the probe holds neutral ones."""
+    from admin_ds.train import ds_config
+
+    if list(_find_auto(ds)):
+        return  # refused with its own message by resolve_ds_config
+    ds_config.check_types(ds, source)
+    probe = json.loads(json.dumps(ds))
+    probe.get("pipeline", {}).pop("stages", None)
+    probe.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
+    for key in _OWNED_BY_RUN_CONFIG:
+        probe.pop(key, None)  # refused by resolve_ds_config, naming where the value belongs
+    ds_config.check(probe, source)
 
 
 def _find_auto(d, prefix=""):
@@ -96,10 +121,13 @@ def resolve_ds_config(ds: dict, run, world: int, source: str = "ds_config") -> d
     ``train_micro_batch_size_per_gpu`` is 1 and ``train_batch_size`` = accumulation x data-parallel
     size. Returns a new dict; ``ds`` is not modified.
     """
+    from admin_ds.train import ds_config
+
     ds = json.loads(json.dumps(ds))
     auto = list(_find_auto(ds))
     if auto:
         raise ConfigError(f"{source}: unresolved \"auto\" at {', '.join(auto)}; set explicit values")
+    ds_config.check_types(ds, source)
     for key, ours in _OWNED_BY_RUN_CONFIG.items():
         if key in ds:
             raise ConfigError(f"{source}: '{key}' is set in the DeepSpeed JSON; it belongs to the run "
@@ -137,9 +165,7 @@ def resolve_ds_config(ds: dict, run, world: int, source: str = "ds_config") -> d
         elif tbs != micro * gas * dp:
             raise ConfigError(f"{source}: train_batch_size={tbs} != train_micro_batch_size_per_gpu "
                               f"({micro}) x gradient_accumulation_steps ({gas}) x data-parallel size ({dp})")
-    gas = int(gas or 1)
-    if gas < 1:
-        raise ConfigError(f"{source}: gradient_accumulation_steps must be >= 1")
+    gas = 1 if gas is None else gas
     ds["gradient_accumulation_steps"] = gas
     ds["train_batch_size"] = micro * gas * dp
     if stages > 1 and run.engine.activation_checkpointing:

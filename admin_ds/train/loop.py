@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from admin_ds import distributed
+from admin_ds import distributed, files
 from admin_ds.data import EpochBatchIterator
 from admin_ds.data.binarize import load_manifest, open_split, prepare_default_data
 from admin_ds.errors import ConfigError
@@ -56,12 +56,10 @@ class RunLog:
     """Rank 0 prints and appends to RUN_DIR/metrics.jsonl (and TensorBoard if asked)."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool) -> None:
-        self.enabled = enabled
+        self.enabled, self.path = enabled, run_dir / "metrics.jsonl"
         self.metrics = None
         self.tb = None
         if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = open(run_dir / "metrics.jsonl", "a")
             if tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
@@ -76,6 +74,9 @@ class RunLog:
     def record(self, kind: str, **values) -> None:
         if not self.enabled:
             return
+        if self.metrics is None:  # opened at the first record: a run refused at start-up writes nothing
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.metrics = open(self.path, "a")
         self.metrics.write(json.dumps({"kind": kind, "time": round(time.time(), 3), **values}) + "\n")
         self.metrics.flush()
         if self.tb is not None:
@@ -102,16 +103,23 @@ class Evaluator:
         self.run, self.runner, self.data_dir, self.manifest, self.cfg = run, runner, data_dir, manifest, cfg
         self.run_dir = run_dir
 
-    def iterator(self, dataset, shuffle: bool, gas: int = 1) -> EpochBatchIterator:
-        r = self.runner
-        return EpochBatchIterator(dataset, self.run.data.max_tokens, self.cfg.pad_idx, self.cfg.eos_idx,
-                                  seed=self.run.train.seed, num_replicas=r.dp, rank=r.dp_rank, shuffle=shuffle,
-                                  max_positions=min(self.run.data.max_positions, self.cfg.max_positions),
-                                  required_multiple=r.dp * gas)
+    def iterator(self, split: str, shuffle: bool, gas: int = 1) -> EpochBatchIterator:
+        """The batches of ``split``, sharded over the data-parallel ranks."""
+        r, data = self.runner, self.run.data
+        try:
+            return EpochBatchIterator(open_split(self.data_dir, split, self.manifest), data.max_tokens,
+                                      self.cfg.pad_idx, self.cfg.eos_idx, seed=self.run.train.seed, num_replicas=r.dp,
+                                      rank=r.dp_rank, shuffle=shuffle,
+                                      max_positions=min(data.max_positions, self.cfg.max_positions),
+                                      required_multiple=r.dp * gas)
+        except ValueError as e:
+            raise ConfigError(f"data.max_tokens={data.max_tokens}: {self.data_dir}, split {split}: {e}; raise "
+                              f"data.max_tokens, or lower data.max_positions={data.max_positions} to drop longer "
+                              "pairs") from None
 
     @torch.no_grad()
     def valid_loss(self, split: str) -> dict:
-        it = self.iterator(open_split(self.data_dir, split, self.manifest), shuffle=False)
+        it = self.iterator(split, shuffle=False)
         sums = self.runner.eval_loss([it.next_batch() for _ in range(it.batches_per_epoch)])
         nll = float(sums[1] / sums[2] / LN2)
         return {"loss": float(sums[0] / sums[2] / LN2), "nll": nll, "ppl": 2 ** nll, "ntokens": int(sums[2])}
@@ -156,6 +164,7 @@ class Training:
         self.run_dir = Path(run.train.run_dir)
         self.runner: Optional[Runner] = None
         self.log: Optional[RunLog] = None
+        self.lock: Optional[files.DirectoryLock] = None
 
     # ---- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -163,6 +172,7 @@ class Training:
         raw_ds = eng.load_ds_config(self.ds_path)
         eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s, run.engine.connect_timeout_s)
         self.rank, self.world = distributed.rank(), distributed.world_size()
+        self._lock_run_dir()
         self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
         self._check_world()
         self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
@@ -195,14 +205,30 @@ class Training:
             self.log.info(line)
         self.guard = DivergenceGuard(run.guard)
         self.evaluator = Evaluator(run, self.runner, self.data_dir, self.manifest, cfg, self.run_dir)
-        self.iterator = self.evaluator.iterator(open_split(self.data_dir, "train", self.manifest), shuffle=True,
-                                                gas=self.ds["gradient_accumulation_steps"])
+        self.iterator = self.evaluator.iterator("train", shuffle=True, gas=self.ds["gradient_accumulation_steps"])
         if self.iterator.dropped:
             self.log.info(f"[data] dropped {self.iterator.dropped} training pairs longer than "
                           f"{min(run.data.max_positions, cfg.max_positions)} tokens")
         self.state = TrainState()
         self.saved_update: Optional[int] = None
         self.profile: Optional[Profile] = None
+
+    def _lock_run_dir(self) -> None:
+        """One training per run directory: rank 0 holds ``RUN_DIR/.lock`` for the whole run (the
+        kernel releases it if the process dies, so a killed run never blocks its resume); a second
+        training on the same directory stops at once, naming the host and pid that hold it, on
+        every rank. Translating from a run directory does not lock it."""
+        err = None
+        if self.rank == 0:
+            try:
+                self.lock = files.DirectoryLock(self.run_dir)
+            except BlockingIOError as e:
+                err = f"train.run_dir: {e}: another training is running there; wait for it, or choose another run directory"
+            except OSError as e:
+                err = f"train.run_dir: {self.run_dir}: cannot be written ({e.strerror or e})"
+        err = distributed.broadcast_object(err)
+        if err:
+            raise ConfigError(err)
 
     def _check_world(self) -> None:
         layout = distributed.world_layout()
@@ -247,7 +273,7 @@ class Training:
     # ---- profiling -----------------------------------------------------------------------------
     def profiling_batch(self) -> dict:
         """This rank's first micro-batch of the first epoch: the batch the reference profiles on."""
-        return self.evaluator.iterator(open_split(self.data_dir, "train", self.manifest), shuffle=True).next_batch()
+        return self.evaluator.iterator("train", shuffle=True).next_batch()
 
     def establish_profile(self) -> None:
         """Reuse a given profile, or profile on each rank's first micro-batch and reduce; then
@@ -445,6 +471,8 @@ class Training:
             self.runner = None
         if self.log is not None:
             self.log.close()
+        if self.lock is not None:
+            self.lock.release()
         gc.collect()
 
 

@@ -16,8 +16,11 @@ on the generated corpus, minutes on a CPU); launch/configs/*.yaml hold the paper
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -68,7 +71,7 @@ class AdminSection:
 class OptimSection:
     optimizer: str = "radam"  # "radam" | "adam" | "adamw"
     lr: float = 3e-3
-    betas: tuple = (0.9, 0.98)
+    betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1e-8
     weight_decay: float = 0.0
     warmup_updates: int = 100
@@ -168,59 +171,80 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict, origin: str = "config") -> "RunConfig":
         cfg = cls()
-        merge_into(cfg, d, origin)
+        merge_into(cfg, json.loads(json.dumps(d)), origin)  # tuples saved as lists
         return cfg
 
 
-def _coerce(value: Any, current: Any, name: str, origin: str) -> Any:
-    """Command-line strings become the type of the field's current value (YAML syntax)."""
-    if isinstance(value, str) and not isinstance(current, str):
-        if isinstance(current, float):  # YAML 1.1 reads "2e-3" as a string: parse floats directly
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{origin}: {name}: expected a number, got {value!r}") from None
-        else:
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{origin}: {name}: cannot parse {value!r}: {e}") from None
-    if isinstance(current, bool) and not isinstance(value, bool):
-        raise ConfigError(f"{origin}: {name}: expected true/false, got {value!r}")
-    if isinstance(current, (int, float)) and not isinstance(current, bool):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            if value is not None:
-                raise ConfigError(f"{origin}: {name}: expected a number, got {value!r}")
-        elif isinstance(current, float):
-            value = float(value)
-    if isinstance(current, tuple) and isinstance(value, list):
-        value = tuple(value)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _suggest(key: str, known) -> str:
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]}?)" if match else f" (known: {', '.join(sorted(known))})"
+
+
+def _coerce(value: Any, hint, name: str, origin: str, from_text: bool) -> Any:
+    """``value`` as the field's annotated type, or a ConfigError naming the field and what is
+    expected. ``from_text``: a command-line string, read as YAML (numbers, true/false, lists)."""
+    if from_text and hint is not str:
+        try:
+            value = float(value) if hint is float else yaml.safe_load(value)  # YAML 1.1 reads "2e-3" as text
+        except ValueError:
+            raise ConfigError(f"{origin}: {name}: got {value!r} (expected a number)") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{origin}: {name}: cannot parse {value!r}: {e}") from None
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+
+    def fail(expected: str):
+        raise ConfigError(f"{origin}: {name}: got {value!r} (expected {expected})")
+
+    if hint is bool:
+        return value if isinstance(value, bool) else fail("true or false")
+    if hint is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else fail("an integer")
+    if hint is float:
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else fail("a number")
+    if hint is str:
+        return value if isinstance(value, str) else fail("a string")
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            fail(f"a list of {len(args)} numbers")
+        return tuple(_coerce(v, a, f"{name}[{i}]", origin, False) for i, (v, a) in enumerate(zip(value, args)))
+    if hint is dict:
+        return value if isinstance(value, dict) else fail("a mapping")
     return value
 
 
-def merge_into(cfg: RunConfig, d: dict, origin: str) -> None:
-    """Merge a nested dict (from YAML or the command line) into ``cfg``, naming unknown keys."""
+def merge_into(cfg: RunConfig, d: dict, origin: str, from_text: bool = False) -> None:
+    """Merge a nested dict (from YAML or the command line) into ``cfg``, naming unknown sections and
+    keys with the closest known one, and every value that is not of its field's type."""
     if not isinstance(d, dict):
-        raise ConfigError(f"{origin}: expected a mapping of sections, got {type(d).__name__}")
+        raise ConfigError(f"{origin}: expected a mapping of sections ({', '.join(SECTIONS)}), got {type(d).__name__}")
     for section, values in d.items():
         if section not in SECTIONS:
-            raise ConfigError(f"{origin}: unknown section {section!r}; known: {', '.join(SECTIONS)}")
+            raise ConfigError(f"{origin}: {section}: unknown section{_suggest(str(section), SECTIONS)}")
         target = getattr(cfg, section)
         if not isinstance(values, dict):
-            raise ConfigError(f"{origin}: section {section!r} must be a mapping")
-        known = {f.name for f in fields(target)}
+            raise ConfigError(f"{origin}: {section}: got {values!r} (expected a mapping of keys)")
+        hints = _hints(type(target))
         for key, value in values.items():
             name = f"{section}.{key}"
-            if section == "model" and key not in known:
+            if section == "model" and key not in hints:
                 # model fields other than the preset name are ModelConfig overrides
-                if key not in {f.name for f in fields(ModelConfig)}:
-                    raise ConfigError(f"{origin}: unknown field {name!r}")
-                current = getattr(ModelConfig(), key)
-                target.overrides[key] = _coerce(value, current, name, origin)
+                model_hints = _hints(ModelConfig)
+                if key not in model_hints:
+                    raise ConfigError(f"{origin}: {name}: unknown key{_suggest(str(key), set(model_hints) | set(hints))}")
+                target.overrides[key] = _coerce(value, model_hints[key], name, origin, from_text)
                 continue
-            if key not in known:
-                raise ConfigError(f"{origin}: unknown field {name!r}; known in {section}: {', '.join(sorted(known))}")
-            setattr(target, key, _coerce(value, getattr(target, key), name, origin))
+            if key not in hints:
+                raise ConfigError(f"{origin}: {name}: unknown key{_suggest(str(key), hints)}")
+            setattr(target, key, _coerce(value, hints[key], name, origin, from_text))
 
 
 def load_run_config(path: Optional[str], overrides: list[str]) -> RunConfig:
@@ -228,12 +252,21 @@ def load_run_config(path: Optional[str], overrides: list[str]) -> RunConfig:
     cfg = RunConfig()
     if path:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"--config: {p} is a directory, not a YAML run config")
         if not p.is_file():
             raise ConfigError(f"--config: no such file: {p}")
         try:
-            merge_into(cfg, yaml.safe_load(p.read_text()) or {}, str(p))
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a UTF-8 text file (a YAML run config is expected)") from None
+        try:
+            data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: invalid YAML: {e}") from None
+            where = getattr(e, "problem_mark", None)
+            line = f":{where.line + 1}" if where is not None else ""
+            raise ConfigError(f"{p}{line}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+        merge_into(cfg, data or {}, str(p))
     cli: dict = {}
     for item in overrides:
         if not item.startswith("--") or "=" not in item or "." not in item.split("=", 1)[0]:
@@ -241,7 +274,7 @@ def load_run_config(path: Optional[str], overrides: list[str]) -> RunConfig:
         key, value = item[2:].split("=", 1)
         section, field_name = key.split(".", 1)
         cli.setdefault(section, {})[field_name] = value
-    merge_into(cfg, cli, "command line")
+    merge_into(cfg, cli, "command line", from_text=True)
     return cfg.validate()
 
 

@@ -1,0 +1,531 @@
+"""Bad and hostile input to every command, through its real command line.
+
+Each case runs one entry point as a subprocess (train, prepare, backtranslate, translate, average,
+export, evaluate, analyze, models, cluster_env) and asserts what a user must get: a non-zero exit,
+one ``error:`` line (or argparse's usage error) naming the file, field or argument, no traceback,
+and nothing written into the case's folder that a later step could take for complete (a
+checkpoint, a model file, an output directory). A hostile checkpoint, a pickle that creates a
+folder when it is unpickled, with the digests in ``COMPLETE`` rewritten to match, is given to every
+loader: each refuses it and the folder is never created.
+
+The cases share one tiny run (4 updates, a checkpoint every 2) and its averaged model file; they
+only read them (checked at the end). Every case gets its own folder for what it changes, and the
+subprocesses run two at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from conftest import overrides
+from distributed import REPO
+from test_data_prep import synthetic_corpus
+
+from admin_ds import safe_load
+
+ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+SCRIPTS = {"train": "launch/train.py", "translate": "launch/translate.py",
+           "average": "launch/average_checkpoints.py", "export": "launch/export.py",
+           "evaluate": "launch/evaluate.py", "analyze": "launch/analyze.py", "models": "launch/models.py",
+           "cluster_env": "launch/cluster_env.py", "prepare": "data_prep/prepare.py",
+           "backtranslate": "data_prep/backtranslate.py"}
+ZERO1, ZERO2 = str(REPO / "ds_configs/zero1.json"), str(REPO / "ds_configs/zero2.json")
+MAY_CHANGE = {"run_config.json", "ds_config.json", "metrics.jsonl", ".lock", ".prepare.lock", "CORRUPT"}
+
+
+class Plant:
+    """What a hostile checkpoint holds: unpickling it calls ``os.makedirs(marker)``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+@dataclass
+class Shared:
+    data: Path   # a prepared data directory
+    run: Path    # a finished run: checkpoints update_000002 and update_000004
+    model: Path  # a model file averaged from that run
+    text: Path   # source sentences
+
+
+class Ctx:
+    """One case's folder and the shared inputs; helpers that make bad files in the folder."""
+
+    def __init__(self, shared: Shared, tmp: Path) -> None:
+        self.shared, self.tmp = shared, tmp
+        self.marker = tmp.parent / f"{tmp.name}.PLANTED"  # outside the folder, so never in its snapshot
+        tmp.mkdir(parents=True)
+
+    def __getattr__(self, name):
+        return getattr(self.shared, name)
+
+    def file(self, name: str, content: str | bytes) -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return path
+
+    def copy_run(self) -> Path:
+        return Path(shutil.copytree(self.run, self.tmp / "run"))
+
+    def copy_model(self) -> Path:
+        return Path(shutil.copy(self.model, self.tmp / "model.pt"))
+
+    def plant(self, path: Path) -> Path:
+        """Add a ``Plant`` to a torch file, keeping what it held, and make the digests of its tag's
+        ``COMPLETE`` (if any) match the new bytes."""
+        blob = safe_load.load(path)
+        if isinstance(blob, dict):
+            blob["extra"] = Plant(self.marker)
+        else:
+            blob = {"data": blob, "extra": Plant(self.marker)}
+        torch.save(blob, path)
+        rewrite_digest(path)
+        return path
+
+    def rewrite_model_file(self, **changes) -> Path:
+        """The model file with fields changed (a tampered or an old file), saved again."""
+        path = self.copy_model()
+        blob = torch.load(path, weights_only=True)
+        for key, value in changes.items():
+            if value is None:
+                blob.pop(key)
+            else:
+                blob[key] = value(blob) if callable(value) else value
+        torch.save(blob, path)
+        return path
+
+    def tag(self, run: Path, update: int = 4) -> Path:
+        return run / "checkpoints" / f"update_{update:06d}"
+
+    def train(self, *extra, ds=ZERO1, run_dir=None) -> list:
+        run_dir = run_dir or self.tmp / "run"
+        return ["--deepspeed_config", ds, *overrides(run_dir, self.data, *extra)]
+
+
+def rewrite_digest(path: Path) -> None:
+    complete = path.parent / "COMPLETE"
+    if complete.is_file():
+        info = json.loads(complete.read_text())
+        if path.name in info.get("files", {}):
+            info["files"][path.name] = [path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest()]
+        complete.write_text(json.dumps(info) + "\n")
+
+
+def flip_byte(path: Path, offset: int = -100) -> Path:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def strip_digests(tag: Path) -> Path:
+    info = json.loads((tag / "COMPLETE").read_text())
+    info.pop("files")
+    (tag / "COMPLETE").write_text(json.dumps(info) + "\n")
+    return tag
+
+
+def tear(tag: Path) -> Path:
+    (tag / "COMPLETE").write_text('{"update": 4, "files": {')  # a marker whose write was cut short
+    return tag
+
+
+def every_tag(ctx: "Ctx", change: Callable[[Path], object]) -> Path:
+    run = ctx.copy_run()
+    for update in (2, 4):
+        change(ctx.tag(run, update))
+    return run
+
+
+@dataclass
+class Case:
+    id: str
+    command: str
+    argv: Callable[[Ctx], list]  # builds the case's files in ctx.tmp and returns the arguments
+    expect: tuple[str, ...]      # in the error line
+    rc: int = 2
+    hostile: bool = False        # the marker must never appear
+
+    @property
+    def param(self):
+        return pytest.param(self, id=f"{self.command}-{self.id}")
+
+
+def ds(ctx: Ctx, name: str, content) -> str:
+    return str(ctx.file(name, content if isinstance(content, (str, bytes)) else json.dumps(content)))
+
+
+def raw(ctx: Ctx, **damage) -> Path:
+    """A small En-De corpus in ctx.tmp/raw; ``damage``: file name -> callable(path)."""
+    directory = synthetic_corpus(ctx.tmp / "raw", n=120)
+    for name, change in damage.items():
+        change(directory / name.replace("_", "."))
+    return directory
+
+
+def to_dir(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def truncate_lines(keep: int) -> Callable[[Path], None]:
+    return lambda p: p.write_text("".join(p.read_text().splitlines(True)[:keep]))
+
+
+def gzip_half(path: Path) -> None:
+    import gzip
+
+    data = gzip.compress(path.read_bytes())
+    path.unlink()
+    path.with_name(path.name + ".gz").write_bytes(data[: len(data) // 2])
+
+
+PREP = ("--vocab-size", "60", "--workers", "1", "--quiet")
+
+
+def bt(ctx: Ctx, *extra, model=None) -> list:
+    mono = ctx.file("mono.de", "Das Haus ist klein.\nDer Hund läuft.\n")
+    return ["--model", model or ctx.model, "--mono", mono, "--bitext", ctx.data, "--out", ctx.tmp / "bt",
+            "--method", "beam", "--beam", "1", *extra]
+
+
+CASES = [
+    # ---- train: the run config -------------------------------------------------------------
+    Case("config-missing", "train", lambda c: [*c.train(), "--config", c.tmp / "nope.yaml"], ("nope.yaml",)),
+    Case("config-directory", "train", lambda c: [*c.train(), "--config", c.tmp], ("directory",)),
+    Case("config-invalid-yaml", "train", lambda c: [*c.train(), "--config", c.file("r.yaml", "train:\n  a: [1,\n")],
+         ("r.yaml:3", "invalid YAML")),
+    Case("config-binary", "train", lambda c: [*c.train(), "--config", c.file("r.yaml", b"\xff\xfe\x00\x81garbage")],
+         ("r.yaml", "UTF-8")),
+    Case("config-unknown-section", "train",
+         lambda c: [*c.train(), "--config", c.file("r.yaml", "trian:\n  max_updates: 2\n")],
+         ("r.yaml", "trian", "did you mean train")),
+    Case("config-list-for-section", "train", lambda c: [*c.train(), "--config", c.file("r.yaml", "optim: [1, 2]\n")],
+         ("r.yaml", "optim")),
+    Case("override-unknown-key", "train", lambda c: c.train("--optim.lrr=1"), ("optim.lrr", "did you mean")),
+    Case("override-unknown-section", "train", lambda c: c.train("--optimiser.lr=1"), ("optimiser",)),
+    Case("override-decimal-for-int", "train", lambda c: c.train("--train.max_updates=2.5"),
+         ("train.max_updates", "2.5")),
+    Case("override-scalar-for-pair", "train", lambda c: c.train("--optim.betas=0.9"), ("optim.betas",)),
+    Case("override-word-for-float", "train", lambda c: c.train("--optim.lr=fast"), ("optim.lr", "fast")),
+    Case("override-bad-choice", "train", lambda c: c.train("--model.init=magic"), ("model.init", "magic")),
+    # ---- train: the DeepSpeed JSON ----------------------------------------------------------
+    Case("ds-missing", "train", lambda c: c.train(ds=str(c.tmp / "none.json")), ("none.json",)),
+    Case("ds-directory", "train", lambda c: c.train(ds=str(c.tmp)), ("directory",)),
+    Case("ds-invalid-json", "train", lambda c: c.train(ds=ds(c, "d.json", '{"zero_optimization": {\n')),
+         ("d.json:2", "invalid JSON")),
+    Case("ds-binary", "train", lambda c: c.train(ds=ds(c, "d.json", b"\xff\xfe{}")), ("d.json",)),
+    Case("ds-list", "train", lambda c: c.train(ds=ds(c, "d.json", [1, 2])), ("d.json", "object")),
+    Case("ds-misspelt-section", "train",
+         lambda c: c.train(ds=ds(c, "d.json", {"zero_optimisation": {"stage": 2}})),
+         ("d.json", "zero_optimisation", "did you mean zero_optimization")),
+    Case("ds-nested-unknown-key", "train", lambda c: c.train(ds=ds(c, "d.json", {"zero_optimization": {"stag": 1}})),
+         ("d.json", "stag")),
+    Case("ds-stage-7", "train", lambda c: c.train(ds=ds(c, "d.json", {"zero_optimization": {"stage": 7}})),
+         ("d.json", "zero_optimization.stage", "7")),
+    Case("ds-accumulation-0", "train", lambda c: c.train(ds=ds(c, "d.json", {"gradient_accumulation_steps": 0})),
+         ("d.json", "gradient_accumulation_steps")),
+    Case("ds-list-for-section", "train", lambda c: c.train(ds=ds(c, "d.json", {"zero_optimization": [1]})),
+         ("d.json", "zero_optimization")),
+    Case("ds-string-for-bool", "train", lambda c: c.train(ds=ds(c, "d.json", {"bf16": {"enabled": "yes"}})),
+         ("d.json", "bf16.enabled")),
+    # ---- train: data, profile, run directory ------------------------------------------------
+    Case("data-missing", "train", lambda c: c.train(f"--data.path={c.tmp / 'nodata'}"), ("data.path", "nodata")),
+    Case("data-changed", "train",
+         lambda c: c.train(f"--data.path={flip_byte(Path(shutil.copytree(c.data, c.tmp / 'd')) / 'train.en.bin').parent}"),
+         ("data.path", "train.en.bin")),
+    Case("sentence-longer-than-batch", "train", lambda c: c.train("--data.max_tokens=8"),
+         ("data.max_tokens", "train", "line")),
+    Case("profile-missing", "train", lambda c: [*c.train(), "--profile", c.tmp / "p.json"], ("--profile", "p.json")),
+    Case("profile-garbage", "train", lambda c: [*c.train(), "--profile", c.file("p.json", "{not json")], ("p.json",)),
+    Case("profile-binary", "train", lambda c: [*c.train(), "--profile", c.file("p.json", b"\x80\x81\x82")], ("p.json",)),
+    Case("run-dir-is-file", "train", lambda c: c.train(run_dir=c.file("runfile", "x")), ("train.run_dir", "runfile")),
+    Case("other-model-checkpoint", "train", lambda c: [*c.train("--model.num_encoder_layers=3", run_dir=c.copy_run())],
+         ("model.num_encoder_layers",)),
+    # ---- train: hostile checkpoints (resume, and resume on another layout: universal conversion)
+    Case("resume-hostile-model-states", "train",
+         lambda c: c.train(run_dir=c.plant(c.tag(c.copy_run()) / "mp_rank_00_model_states.pt").parents[2]),
+         ("mp_rank_00_model_states.pt", "refused", "makedirs"), hostile=True),
+    Case("resume-hostile-optimizer", "train",
+         lambda c: c.train(run_dir=c.plant(c.tag(c.copy_run()) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").parents[2]),
+         ("optim_states.pt", "refused", "makedirs"), hostile=True),
+    Case("resume-hostile-rng", "train",
+         lambda c: c.train(run_dir=c.plant(c.tag(c.copy_run()) / "rng_rank0.pt").parents[2]),
+         ("rng_rank0.pt", "refused", "makedirs"), hostile=True),
+    Case("universal-conversion-hostile", "train",
+         lambda c: c.train(ds=ZERO2, run_dir=c.plant(c.tag(c.copy_run()) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").parents[2]),
+         ("optim_states.pt", "refused", "makedirs"), hostile=True),
+    # ---- prepare ----------------------------------------------------------------------------
+    Case("bad-language-code", "prepare", lambda c: ["en-German", c.tmp / "out", "--raw-dir", raw(c)], ("German",)),
+    Case("pair-without-dash", "prepare", lambda c: ["ende", c.tmp / "out", "--raw-dir", raw(c)], ("ende",)),
+    Case("raw-dir-missing", "prepare", lambda c: ["en-de", c.tmp / "out", "--raw-dir", c.tmp / "nowhere"],
+         ("--raw-dir", "nowhere")),
+    Case("vocab-size-3", "prepare", lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c), "--vocab-size", "3"],
+         ("--vocab-size",)),
+    Case("ratio-below-1", "prepare", lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c), "--ratio", "0.5"],
+         ("--ratio",)),
+    Case("workers-0", "prepare", lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c), "--workers", "0"],
+         ("--workers",)),
+    Case("coverage-0", "prepare",
+         lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c), "--character-coverage", "0"],
+         ("--character-coverage",)),
+    Case("train-side-is-directory", "prepare",
+         lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c, train_en=to_dir), *PREP], ("train.en", "directory")),
+    Case("sides-differ-in-length", "prepare",
+         lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c, train_de=truncate_lines(100)), *PREP],
+         ("train.en has 120", "train.de has 100")),
+    Case("truncated-gzip", "prepare",
+         lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c, train_de=gzip_half), *PREP], ("train.de.gz",)),
+    Case("test-side-missing", "prepare",
+         lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c, newstest2014_de=Path.unlink), *PREP],
+         ("newstest2014.de",)),
+    Case("tsv-missing", "prepare", lambda c: ["en-de", c.tmp / "out", "--raw-dir", raw(c), "--tsv", c.tmp / "t.tsv"],
+         ("--tsv", "t.tsv")),
+    Case("out-dir-is-file", "prepare", lambda c: ["en-de", c.file("out", "x"), "--raw-dir", raw(c), *PREP], ("out",)),
+    # ---- backtranslate ----------------------------------------------------------------------
+    Case("model-missing", "backtranslate", lambda c: bt(c, model=c.tmp / "nomodel"), ("--model", "nomodel")),
+    Case("mono-missing", "backtranslate", lambda c: [*bt(c), "--mono", c.tmp / "nomono"], ("--mono", "nomono")),
+    Case("mono-empty", "backtranslate", lambda c: [*bt(c), "--mono", c.file("e.de", "")], ("--mono", "e.de", "empty")),
+    Case("bitext-missing", "backtranslate", lambda c: [*bt(c), "--bitext", c.tmp / "nobitext"], ("--bitext", "nobitext")),
+    Case("bitext-without-manifest", "backtranslate", lambda c: [*bt(c), "--bitext", c.file("b/x", "").parent],
+         ("--bitext", "manifest.json")),
+    Case("out-is-bitext", "backtranslate", lambda c: [*bt(c), "--out", c.data], ("--out", "--bitext")),
+    Case("beam-0", "backtranslate", lambda c: [*bt(c), "--beam", "0"], ("--beam",)),
+    Case("hostile-run", "backtranslate",
+         lambda c: bt(c, model=c.plant(c.tag(c.copy_run()) / "mp_rank_00_model_states.pt").parents[2]),
+         ("mp_rank_00_model_states.pt", "refused", "makedirs"), hostile=True),
+    Case("hostile-model-file", "backtranslate", lambda c: bt(c, model=c.plant(c.copy_model())),
+         ("model.pt", "refused", "makedirs"), hostile=True),
+    Case("model-file-without-digest", "backtranslate",
+         lambda c: bt(c, model=c.rewrite_model_file(sha256=None, version=1)), ("model.pt", "--trust-unverified")),
+    # ---- translate --------------------------------------------------------------------------
+    Case("checkpoint-missing", "translate", lambda c: ["--checkpoint", c.tmp / "x", "--input", c.text], ("--checkpoint",)),
+    Case("input-missing", "translate", lambda c: ["--checkpoint", c.model, "--input", c.tmp / "x.txt"], ("--input", "x.txt")),
+    Case("input-directory", "translate", lambda c: ["--checkpoint", c.model, "--input", c.tmp], ("--input", "directory")),
+    Case("beam-0", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--beam", "0"], ("--beam",)),
+    Case("temperature-0", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--method", "sample",
+                                                 "--temperature", "0"], ("--temperature",)),
+    Case("topp-2", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--topp", "2"], ("--topp",)),
+    Case("max-len-b-negative", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--max-len-b", "-1"],
+         ("--max-len-b",)),
+    Case("max-tokens-0", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--max-tokens", "0"],
+         ("--max-tokens",)),
+    Case("unknown-tag", "translate", lambda c: ["--checkpoint", c.run, "--tag", "update_000777", "--input", c.text],
+         ("update_000777",)),
+    Case("text-file-as-checkpoint", "translate", lambda c: ["--checkpoint", c.text, "--input", c.text],
+         ("test.en", "not an admin-ds model file")),
+    Case("truncated-model-file", "translate",
+         lambda c: ["--checkpoint", c.file("m.pt", c.model.read_bytes()[:5000]), "--input", c.text], ("m.pt",)),
+    Case("tampered-model-file", "translate",
+         lambda c: ["--checkpoint", c.rewrite_model_file(state_dict=lambda b: {k: v + 1 for k, v in b["state_dict"].items()}),
+                    "--input", c.text], ("model.pt", "sha256")),
+    Case("model-file-without-digest", "translate",
+         lambda c: ["--checkpoint", c.rewrite_model_file(sha256=None, version=1), "--input", c.text],
+         ("model.pt", "--trust-unverified")),
+    Case("tampered-tag", "translate",
+         lambda c: ["--checkpoint", flip_byte(c.tag(c.copy_run()) / "mp_rank_00_model_states.pt", 0).parent,
+                    "--input", c.text], ("update_000004", "mp_rank_00_model_states.pt", "sha256")),
+    Case("tag-without-digests", "translate",
+         lambda c: ["--checkpoint", strip_digests(c.tag(c.copy_run())), "--input", c.text],
+         ("update_000004", "--trust-unverified")),
+    Case("incomplete-tag", "translate",
+         lambda c: ["--checkpoint", tear(c.tag(c.copy_run())), "--input", c.text], ("update_000004", "incomplete")),
+    Case("hostile-run", "translate",
+         lambda c: ["--checkpoint", c.plant(c.tag(c.copy_run()) / "mp_rank_00_model_states.pt").parents[2],
+                    "--input", c.text], ("mp_rank_00_model_states.pt", "refused", "makedirs"), hostile=True),
+    Case("hostile-tag", "translate",
+         lambda c: ["--checkpoint", c.plant(c.tag(c.copy_run()) / "zero_pp_rank_0_mp_rank_00_optim_states.pt").parent,
+                    "--input", c.text], ("optim_states.pt", "refused", "makedirs"), hostile=True),
+    Case("hostile-model-file", "translate", lambda c: ["--checkpoint", c.plant(c.copy_model()), "--input", c.text],
+         ("model.pt", "refused", "makedirs"), hostile=True),
+    # ---- average_checkpoints ----------------------------------------------------------------
+    Case("run-missing", "average", lambda c: ["--run", c.tmp / "norun", "--last", "2", "--out", c.tmp / "a.pt"],
+         ("--run", "norun")),
+    Case("last-0", "average", lambda c: ["--run", c.run, "--last", "0", "--out", c.tmp / "a.pt"], ("--last",)),
+    Case("out-is-directory", "average", lambda c: ["--run", c.run, "--last", "2", "--out", c.tmp], ("--out", "directory")),
+    Case("more-than-saved", "average", lambda c: ["--run", c.run, "--last", "5", "--out", c.tmp / "a.pt"], ("5", "2")),
+    Case("hostile-run", "average",
+         lambda c: ["--run", c.plant(c.tag(c.copy_run(), 2) / "mp_rank_00_model_states.pt").parents[2], "--last", "2",
+                    "--out", c.tmp / "a.pt"], ("mp_rank_00_model_states.pt", "refused", "makedirs"), hostile=True),
+    Case("every-tag-corrupt", "average",
+         lambda c: ["--run", every_tag(c, lambda t: flip_byte(t / "mp_rank_00_model_states.pt", 0)), "--last", "1",
+                    "--out", c.tmp / "a.pt"],
+         ("fewer than --last 1",)),
+    Case("tags-without-digests", "average",
+         lambda c: ["--run", every_tag(c, strip_digests), "--last", "2", "--out", c.tmp / "a.pt"],
+         ("--trust-unverified",)),
+    # ---- export -----------------------------------------------------------------------------
+    Case("checkpoint-missing", "export", lambda c: ["--checkpoint", c.tmp / "x", "--out", c.tmp / "e"], ("--checkpoint",)),
+    Case("unknown-format", "export", lambda c: ["--checkpoint", c.model, "--format", "onnx", "--out", c.tmp / "e"],
+         ("--format", "onnx")),
+    Case("out-not-empty", "export", lambda c: ["--checkpoint", c.model, "--out", c.file("e/keep.txt", "x").parent],
+         ("e", "empty")),
+    Case("out-is-file", "export", lambda c: ["--checkpoint", c.model, "--out", c.file("e", "x")], ("e",)),
+    Case("hostile-model-file", "export", lambda c: ["--checkpoint", c.plant(c.copy_model()), "--out", c.tmp / "e"],
+         ("model.pt", "refused", "makedirs"), hostile=True),
+    Case("hostile-tag", "export",
+         lambda c: ["--checkpoint", c.plant(c.tag(c.copy_run()) / "mp_rank_00_model_states.pt").parent,
+                    "--out", c.tmp / "e"], ("mp_rank_00_model_states.pt", "refused", "makedirs"), hostile=True),
+    # ---- evaluate ---------------------------------------------------------------------------
+    Case("ref-missing", "evaluate", lambda c: ["--hyp", c.text, "--ref", c.tmp / "r", "--lang", "en-de"], ("--ref",)),
+    Case("unknown-language", "evaluate", lambda c: ["--hyp", c.text, "--ref", c.text, "--lang", "xx-yy"], ("--lang", "xx")),
+    Case("one-language", "evaluate", lambda c: ["--hyp", c.text, "--ref", c.text, "--lang", "en"], ("--lang",)),
+    Case("line-counts-differ", "evaluate",
+         lambda c: ["--hyp", c.file("h.txt", "a\nb\n"), "--ref", c.file("r.txt", "a\n"), "--lang", "en-de"],
+         ("h.txt", "r.txt")),
+    Case("ref-not-utf8", "evaluate",
+         lambda c: ["--hyp", c.file("h.txt", "a\nb\n"), "--ref", c.file("r.txt", b"a\n\xff\xfe\n"), "--lang", "en-de"],
+         ("r.txt",)),
+    Case("src-misaligned", "evaluate",
+         lambda c: ["--hyp", c.file("h.txt", "a\n"), "--ref", c.file("r.txt", "a\n"), "--src", c.file("s.txt", "a\nb\n"),
+                    "--lang", "en-de"], ("s.txt",)),
+    # ---- analyze ----------------------------------------------------------------------------
+    Case("depth-0", "analyze", lambda c: ["--depths", "0", "--out", c.tmp / "a"], ("--depths",)),
+    Case("sigma-0", "analyze", lambda c: ["--sigma", "0", "--out", c.tmp / "a"], ("--sigma",)),
+    Case("unknown-init", "analyze", lambda c: ["--inits", "magic", "--out", c.tmp / "a"], ("--inits", "magic")),
+    Case("model-dim-1", "analyze", lambda c: ["--model-dim", "1", "--out", c.tmp / "a"], ("--model-dim",)),
+    Case("heads-do-not-divide", "analyze", lambda c: ["--model-dim", "10", "--heads", "3", "--depths", "1",
+                                                     "--seeds", "1", "--repeats", "1", "--out", c.tmp / "a"],
+         ("heads",)),
+    # ---- models -----------------------------------------------------------------------------
+    Case("unknown-preset", "models", lambda c: ["demo", "--preset", "admin-7L"], ("--preset", "admin-7L")),
+    Case("vocab-2", "models", lambda c: ["list", "--vocab", "2"], ("--vocab",)),
+    Case("length-1", "models", lambda c: ["demo", "--length", "1"], ("--length",)),
+    # ---- cluster_env ------------------------------------------------------------------------
+    Case("set-without-value", "cluster_env", lambda c: ["--set", "NCCL_DEBUG", "--out", c.tmp / "env"], ("NCCL_DEBUG",)),
+    Case("out-is-directory", "cluster_env", lambda c: ["--out", c.tmp], ("--out", "directory")),
+]
+
+
+def run_case(case: Case, shared: Shared, base: Path) -> dict:
+    ctx = Ctx(shared, base / f"{case.command}-{case.id}")
+    argv = [str(a) for a in case.argv(ctx)]
+    before = snapshot(ctx.tmp)
+    proc = subprocess.run([sys.executable, str(REPO / SCRIPTS[case.command]), *argv], capture_output=True,
+                          text=True, env=ENV, cwd=ctx.tmp, timeout=600)
+    return {"proc": proc, "before": before, "after": snapshot(ctx.tmp), "marker": ctx.marker}
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under ``root``: its sha256. Excepted: the files a refused attempt may log into,
+    and a corrupt checkpoint set aside (``<tag>.corrupt``) counts as where it was."""
+    return {str(p.relative_to(root)).replace(".corrupt/", "/"): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name not in MAY_CHANGE}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, data_dir) -> Shared:
+    base = tmp_path_factory.mktemp("bad_input")
+    run = base / "run"
+    out = subprocess.run([sys.executable, str(REPO / "launch/train.py"), "--deepspeed_config", ZERO1,
+                          *overrides(run, data_dir, "--train.max_updates=4", "--train.save_interval_updates=2",
+                                     "--train.keep_last=5")],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = base / "model.pt"
+    out = subprocess.run([sys.executable, str(REPO / SCRIPTS["average"]), "--run", run, "--last", "2", "--out", model],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = data_dir / "test.en"
+    return Shared(data=data_dir, run=run, model=model, text=text)
+
+
+@pytest.fixture(scope="module")
+def results(request, shared, tmp_path_factory):
+    """Every selected case, run two at a time (they are independent processes)."""
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params]
+    base = tmp_path_factory.mktemp("cases")
+    before = {name: snapshot(path) for name, path in (("run", shared.run), ("data", shared.data))}
+    before["model"] = hashlib.sha256(shared.model.read_bytes()).hexdigest()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip((c.param.id for c in selected), pool.map(lambda c: run_case(c, shared, base), selected)))
+    after = {name: snapshot(path) for name, path in (("run", shared.run), ("data", shared.data))}
+    after["model"] = hashlib.sha256(shared.model.read_bytes()).hexdigest()
+    done["shared unchanged"] = before == after
+    done["base"] = base
+    return done
+
+
+def test_case_ids_are_unique_and_cover_every_command():
+    ids = [c.param.id for c in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 60
+    assert {c.command for c in CASES} == set(SCRIPTS)
+    assert any(c.hostile for c in CASES if c.command == "train")
+
+
+@pytest.mark.parametrize("case", [c.param for c in CASES])
+def test_refused_with_a_message_naming_it(case, results):
+    r = results[case.param.id]
+    proc = r["proc"]
+    err = proc.stderr
+    assert proc.returncode == case.rc, f"rc {proc.returncode}\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ") or ": error: " in ln]
+    assert lines, err[-3000:]
+    for want in case.expect:
+        assert want in lines[-1], f"{want!r} not in {lines[-1]!r}"
+    assert not r["marker"].exists(), "the hostile pickle ran"
+    changed = sorted(k for k in r["before"].keys() | r["after"].keys() if r["before"].get(k) != r["after"].get(k))
+    assert not changed, f"files written or changed: {changed[:5]}"
+
+
+def test_shared_inputs_were_only_read(results):
+    assert results["shared unchanged"]
+    assert not list(results["base"].glob("*.PLANTED"))
+
+
+# ---- what is accepted: the fallbacks and the explicit override ---------------------------------
+
+def _cli(command, *argv, cwd):
+    return subprocess.run([sys.executable, str(REPO / SCRIPTS[command]), *map(str, argv)], capture_output=True,
+                          text=True, env=ENV, cwd=cwd, timeout=600)
+
+
+def test_run_dir_falls_back_past_a_corrupt_or_torn_checkpoint(shared, tmp_path):
+    """Given a run directory, a tag whose files do not match its digests is set aside with a
+    warning and the previous one is used; so is a tag whose COMPLETE does not parse."""
+    ctx = Ctx(shared, tmp_path / "c")
+    run = ctx.copy_run()
+    flip_byte(ctx.tag(run) / "mp_rank_00_model_states.pt", 0)
+    out = _cli("translate", "--checkpoint", run, "--input", shared.text, "--method", "greedy", "--quiet", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "update_000004 is corrupt (mp_rank_00_model_states.pt does not match its sha256)" in out.stderr
+    assert (run / "checkpoints/update_000004.corrupt/CORRUPT").is_file()
+    reference = _cli("translate", "--checkpoint", ctx.tag(shared.run, 2), "--input", shared.text, "--method",
+                     "greedy", "--quiet", cwd=tmp_path)
+    assert out.stdout == reference.stdout and out.stdout
+
+    torn = Ctx(shared, tmp_path / "t")
+    run = torn.copy_run()
+    (torn.tag(run) / "COMPLETE").write_text('{"update": 4, "files": {')
+    out = _cli("translate", "--checkpoint", run, "--input", shared.text, "--method", "greedy", "--quiet", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == reference.stdout
+
+
+def test_trust_unverified_opens_an_old_model_file(shared, tmp_path):
+    ctx = Ctx(shared, tmp_path / "c")
+    old = ctx.rewrite_model_file(sha256=None, version=1)
+    out = _cli("translate", "--checkpoint", old, "--input", shared.text, "--method", "greedy", "--quiet",
+               "--trust-unverified", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    same = _cli("translate", "--checkpoint", shared.model, "--input", shared.text, "--method", "greedy", "--quiet",
+                cwd=tmp_path)
+    assert out.stdout == same.stdout and out.stdout
