@@ -256,3 +256,23 @@ def test_profile_only_then_reuse_reference_format(tmp_path, data_dir):
     reused = json.loads((tmp_path / "q/admin_profile.json").read_text())
     assert reused["formula"] == "imported"
     assert [s["omega"] for s in reused["sublayers"]] == pytest.approx([s["omega"] for s in prof["sublayers"]], rel=1e-12)
+
+
+def test_train_command_reuses_a_deepnmt_profile_and_refuses_a_wrong_count(tmp_path, data_dir):
+    """deepnmt's profile (bare omega values, mapped by position): one of the right length is used
+    and profiling skipped; one of the wrong length ends the command before any work with one
+    'error:' line naming the file and both counts, status 2, nothing written."""
+    n = 2 * 2 + 3 * 2  # debug-tiny: 2L-2L
+    good, bad = tmp_path / "good.init", tmp_path / "bad.init"
+    good.write_text("".join(f"{1 + i / 10}\n" for i in range(n)))
+    bad.write_text("".join(f"{1 + i / 10}\n" for i in range(n - 1)))
+    out = _train_cli(tmp_path / "ok", data_dir, 1, extra=[f"--profile={good}"]).out
+    assert f"[admin] using the profile {good}" in out and "profiled omega" not in out, out[-2000:]
+    used = json.loads((tmp_path / "ok/admin_profile.json").read_text())
+    assert [s["omega"] for s in used["sublayers"]] == pytest.approx([1 + i / 10 for i in range(n)])
+    proc = _train_cli(tmp_path / "no", data_dir, 1, extra=[f"--profile={bad}"], wait=False)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, out[-2000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:") or "Traceback" in line]
+    assert errors == [f"error: {bad}: 9 omega values; the model has 4 encoder + 6 decoder = 10 sub-layers (2L-2L)"]
+    assert not any((tmp_path / "no" / name).exists() for name in ("run_config.json", "admin_profile.json", "checkpoints"))
