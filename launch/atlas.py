@@ -21,6 +21,7 @@ data_prep (joint SentencePiece, --vocab-size pieces).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
             valid_interval=pick(args.valid_interval, "valid_interval"),
             bleu_sentences=scale["bleu_sentences"] if args.bleu_sentences is None else (args.bleu_sentences or None),
             bleu_beam=pick(args.bleu_beam, "bleu_beam"), seed=args.seed, extra=extra,
-            deepspeed_config=args.deepspeed_config or str(
+            deepspeed_config=args.deepspeed_config or os.path.relpath(
                 HERE.parent / "ds_configs" / ("zero1_bf16.json" if args.scale == "gpu" else "zero1.json")))
         out = Path(args.out)
         data = Path(args.data) if args.data else out / "data"

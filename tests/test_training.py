@@ -16,6 +16,7 @@ import torch
 from distributed import REPO, spawn
 
 from conftest import NO_DROPOUT, ZERO, overrides
+from shared_data import DATA, needs_data
 
 
 def rel(a, b):
@@ -276,3 +277,34 @@ def test_train_command_reuses_a_deepnmt_profile_and_refuses_a_wrong_count(tmp_pa
     errors = [line for line in out.splitlines() if line.startswith("error:") or "Traceback" in line]
     assert errors == [f"error: {bad}: 9 omega values; the model has 4 encoder + 6 decoder = 10 sub-layers (2L-2L)"]
     assert not any((tmp_path / "no" / name).exists() for name in ("run_config.json", "admin_profile.json", "checkpoints"))
+
+
+@needs_data
+def test_multi30k_recipe_trains_on_the_real_corpus(tmp_path):
+    """launch/configs/multi30k_en_de.yaml, two updates on Multi30k prepared as the README says: the
+    config is valid, profiles omega on real text and trains; its recipe keeps the checkpoints the
+    README averages."""
+    from data_prep.prepare import main as prepare
+
+    from admin_ds.train.run_config import load_run_config
+
+    data = tmp_path / "m30k"
+    assert prepare(["en-de", str(data), "--raw-dir", str(DATA / "multi30k"), "--valid-prefix", "val",
+                    "--test-prefix", "test_2016_flickr", "--vocab-size", "8000", "--quiet"]) == 0
+    config = REPO / "launch/configs/multi30k_en_de.yaml"
+    run = load_run_config(str(config), [])
+    assert (run.model.build().init, run.model.build().norm_order) == ("admin", "post")
+    assert run.train.keep_last * run.train.save_interval_updates <= run.train.max_updates
+    cmd = [sys.executable, "launch/train.py", "--deepspeed_config", "ds_configs/zero1.json", "--config", str(config),
+           f"--data.path={data}", f"--train.run_dir={tmp_path / 'run'}", "--train.max_updates=2",
+           "--train.log_interval=1", "--train.final_eval=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "6L-6L 256/1024/4, init=admin, norm=post, vocabulary 8000" in proc.stdout
+    profile = json.loads((tmp_path / "run/admin_profile.json").read_text())
+    assert profile["tokens"]["src"] > 1000 and max(s["omega"] for s in profile["sublayers"]) > 1.5
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+

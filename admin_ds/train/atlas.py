@@ -194,9 +194,10 @@ def classify(records: list[dict], warmup: int, unigram_bits: float, finished: bo
         result["reason"] = (f"loss {result['final_loss']:.2f} at the end above {result['warmup_loss']:.2f} "
                             f"at the end of warmup")
     elif result["best_valid_nll"] is None or result["best_valid_nll"] > unigram_bits - STALL_MARGIN_BITS:
+        best = result["best_valid_nll"]
         result["outcome"] = "stalled"
-        result["reason"] = (f"best validation nll {result['best_valid_nll']} bits, unigram model "
-                            f"{unigram_bits:.2f} bits")
+        result["reason"] = (f"best validation nll {'-' if best is None else format(best, '.2f')} bits, "
+                            f"unigram model {unigram_bits:.2f} bits")
     else:
         result["outcome"], result["reason"] = "trained", ""
     return result
