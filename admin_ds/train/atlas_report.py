@@ -140,6 +140,26 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    """Small PNGs (dpi 80): they are committed with the docs."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    _pyplot().close(fig)
+    return path
+
+
+def _style(ax, xlabel: str, ylabel: Optional[str] = None, depths: Optional[list] = None,
+           legend: bool = True) -> None:
+    if depths is not None:
+        ax.set_xticks(range(len(depths)), depths)
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7)
+
+
 def smoothed(updates: list, values: list, points: int = 60) -> tuple[list, list]:
     """Means over consecutive windows (about ``points`` of them; a partial last window is left
     out): one update's loss varies with its batch more than the curves differ."""
@@ -163,16 +183,10 @@ def plot_loss_curves(result: dict, path: Path) -> Path:
                     ax.plot(u, nll, color=COLORS.get(init), label=f"{init} {MARKS[c['outcome']]}")
             ax.axhline(result["unigram_bits"], color="grey", ls=":", lw=1)
             ax.set_title(f"{depth}, lr {lr:g}, warmup {warmup}", fontsize=9)
-            ax.set_xlabel("update")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        axes[r][0].set_ylabel("training nll (bits)")
+            _style(ax, "update", "training nll (bits)" if k == 0 else None)
     fig.suptitle("training nll (window means); dotted: the unigram model's validation cross-entropy",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_valid_vs_depth(result: dict, path: Path) -> Path:
@@ -189,16 +203,9 @@ def plot_valid_vs_depth(result: dict, path: Path) -> Path:
                 ax.plot(x, y, marker="o", ls=styles[s % len(styles)], color=COLORS.get(init),
                         label=f"{init}, lr {lr:g}/wu {warmup}")
     for ax, label in zip(axes, ("best validation nll (bits)", "validation BLEU")):
-        ax.set_xticks(x, depths)
-        ax.set_xlabel("depth")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
+        _style(ax, "depth", label, depths, legend=ax is axes[1])
     axes[0].axhline(result["unigram_bits"], color="grey", ls=":", lw=1)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_omega(result: dict, path: Path) -> Optional[Path]:
@@ -215,14 +222,8 @@ def plot_omega(result: dict, path: Path) -> Optional[Path]:
             ax.plot(range(1, len(omega[stack]) + 1), omega[stack], marker=".", label=depth)
     for ax, stack in zip(axes, ("encoder", "decoder")):
         ax.set_title(f"Admin omega, {stack}")
-        ax.set_xlabel("sub-layer (forward order)")
-        ax.set_ylabel("omega")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+        _style(ax, "sub-layer (forward order)", "omega")
+    return _save(fig, path)
 
 
 def plot_output_change(result: dict, path: Path) -> Optional[Path]:
@@ -242,20 +243,12 @@ def plot_output_change(result: dict, path: Path) -> Optional[Path]:
             share.append(sum(1 for c in cells if c and c["outcome"] == "trained") / len(settings))
         axes[1].plot(x, share, marker="o", color=COLORS.get(init), label=init)
     axes[0].set_yscale("log")
-    axes[0].set_ylabel("output change at init (per token)")
     axes[0].set_title(f"Theorem 2: |F(W) - F(W + delta)|^2, sigma {oc['sigma']}", fontsize=9)
-    axes[1].set_ylabel("share of learning rates that trained")
+    _style(axes[0], "depth", "output change at init (per token)", depths)
     axes[1].set_ylim(-0.05, 1.05)
     axes[1].set_title(f"training outcome over {len(settings)} lr/warmup setting(s)", fontsize=9)
-    for ax in axes:
-        ax.set_xticks(x, depths)
-        ax.set_xlabel("depth")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    _style(axes[1], "depth", "share of learning rates that trained", depths)
+    return _save(fig, path)
 
 
 def write_report(result: dict, out_dir: str | Path, command: str) -> dict[str, Path]:
