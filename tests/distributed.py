@@ -142,7 +142,8 @@ def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
 
 def profile_batches(run_overrides: list[str], ds: dict, tmp: str, batches: list[dict]) -> dict:
     """The distributed profile of given padded batches, one per data-parallel rank ({"src": rows,
-    "tgt": rows} of token ids, tgt starting with EOS); the decoder layers this rank's stage holds."""
+    "tgt": rows} of token ids, tgt starting with EOS), with each formula; and the decoder layers
+    this rank's stage holds."""
     import torch
 
     t = _training(run_overrides, ds, tmp)
@@ -154,11 +155,14 @@ def profile_batches(run_overrides: list[str], ds: dict, tmp: str, batches: list[
     target[torch.arange(len(lengths)), lengths - 1] = eos  # the target ends where the input does
     batch = {"src_tokens": src, "tgt_in_tokens": tgt_in, "target": target,
              "ntokens": int(lengths.sum()), "nsentences": len(lengths)}
-    profile = t.runner.profile(batch)
+    out = {}
+    for formula in ("reference", "paper"):
+        t.run.admin.formula = formula  # the runner reads its run config's admin section
+        profile = t.runner.profile(batch)
+        out[formula] = {"encoder": profile.omega("encoder"), "decoder": profile.omega("decoder")}
     stage = getattr(t.runner, "stage", None)
     held = t.runner.model if stage is None else stage.model
-    return {"encoder": profile.omega("encoder"), "decoder": profile.omega("decoder"),
-            "stage_decoder_layers": held.decoder_layers.indices()}
+    return {**out, "stage_decoder_layers": held.decoder_layers.indices()}
 
 
 # ---- reliability (tests/test_reliability.py) ----------------------------------------------------

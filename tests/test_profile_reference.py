@@ -8,6 +8,7 @@ the model's weights read by state-dict name: none of the project's modules, reco
 statistics run in it. It works in float64, so what it checks is the project's float32 pass.
 """
 
+import json
 import math
 
 import numpy as np
@@ -194,58 +195,54 @@ def _rank_batches(vocab):
     return out
 
 
-def _expected(tmp_path, data_dir, ov, batches, formula):
-    import json
+def _vocab(data_dir):
+    return json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
 
+
+def _expected(data_dir, ov, batches, formula):
+    """The independent computation with the weights the ranks build (same config, same seed)."""
     from admin_ds.train.run_config import load_run_config
 
     run = load_run_config(None, ov)
-    vocab = json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
-    cfg = run.model.build(vocab_size=vocab)
+    cfg = run.model.build(vocab_size=_vocab(data_dir))
     state = build_model(cfg, seed=run.train.seed).state_dict()
     pairs = [(torch.tensor(b["src"]), torch.tensor(b["tgt"])) for b in batches]
     return fairseq_omega(state, cfg, pairs, formula)
 
 
-@pytest.mark.parametrize("formula", ["reference", "paper"])
-def test_two_ranks_profile_padded_batches_like_the_independent_computation(tmp_path, data_dir, formula):
+def test_two_ranks_profile_padded_batches_like_the_independent_computation(tmp_path, data_dir):
     """Each rank profiles its own padded batch (different shapes); the reduced omega equals the
     independent computation with the variances pooled over both batches' elements, padding
-    included (mask_padding off, as in the reference)."""
-    ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, f"--admin.formula={formula}",
-                   "--model.num_encoder_layers=3", "--model.num_decoder_layers=3")
-    vocab = _vocab(data_dir)
-    batches = _rank_batches(vocab)
+    included (mask_padding off, as in the reference), for both formulas."""
+    ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, "--model.num_encoder_layers=3",
+                   "--model.num_decoder_layers=3")
+    batches = _rank_batches(_vocab(data_dir))
     res = spawn(2, "profile_batches", tmp_path / "out", run_overrides=ov, ds=ZERO[1], tmp=str(tmp_path),
                 batches=batches)
     assert res[0] == res[1]  # identical on every rank (both hold the whole model)
-    enc, dec = _expected(tmp_path, data_dir, ov, batches, formula)
-    assert rel(res[0]["encoder"], enc) <= 1e-6 and rel(res[0]["decoder"], dec) <= 1e-6
-    # and not what either rank's batch alone gives: the statistics were reduced
-    alone = _expected(tmp_path, data_dir, ov, batches[:1], formula)
-    assert rel(res[0]["decoder"][1:], alone[1][1:]) > 1e-4
+    for formula in ("reference", "paper"):
+        enc, dec = _expected(data_dir, ov, batches, formula)
+        got = res[0][formula]
+        assert rel(got["encoder"], enc) <= 1e-6 and rel(got["decoder"], dec) <= 1e-6, formula
+        # and not what either rank's batch alone gives: the statistics were reduced
+        alone = _expected(data_dir, ov, batches[:1], formula)
+        assert rel(got["decoder"][1:], alone[1][1:]) > 1e-4, formula
 
 
-@pytest.mark.parametrize("formula", ["reference", "paper"])
-def test_two_pipeline_stages_profile_a_padded_batch_like_the_independent_computation(tmp_path, data_dir, formula):
+def test_two_pipeline_stages_profile_a_padded_batch_like_the_independent_computation(tmp_path, data_dir):
     """Stage 0 holds the encoder and decoder layers 0-1, stage 1 layers 2-3: the running omega
     and the target padding mask (rebuilt from token ids on the second stage) cross the boundary."""
-    ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, f"--admin.formula={formula}",
-                   "--model.num_encoder_layers=2", "--model.num_decoder_layers=4")
+    ov = overrides(tmp_path / "run", data_dir, *NO_DROPOUT, "--model.num_encoder_layers=2",
+                   "--model.num_decoder_layers=4")
     batches = _rank_batches(_vocab(data_dir))[:1]
     res = spawn(2, "profile_batches", tmp_path / "out", run_overrides=ov, ds=PIPE, tmp=str(tmp_path),
                 batches=batches)
-    assert {k: v for k, v in res[0].items() if k != "stage_decoder_layers"} == \
-        {k: v for k, v in res[1].items() if k != "stage_decoder_layers"}
-    enc, dec = _expected(tmp_path, data_dir, ov, batches, formula)
-    assert rel(res[0]["encoder"], enc) <= 1e-6 and rel(res[0]["decoder"], dec) <= 1e-6
     assert res[0]["stage_decoder_layers"] == [0, 1] and res[1]["stage_decoder_layers"] == [2, 3]
-
-
-def _vocab(data_dir):
-    import json
-
-    return json.loads((data_dir / "manifest.json").read_text())["vocab_size"]
+    for formula in ("reference", "paper"):
+        assert res[0][formula] == res[1][formula]
+        enc, dec = _expected(data_dir, ov, batches, formula)
+        got = res[0][formula]
+        assert rel(got["encoder"], enc) <= 1e-6 and rel(got["decoder"], dec) <= 1e-6, formula
 
 
 # ---- the reference codes' profile files ------------------------------------------------------------
