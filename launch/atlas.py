@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=8000, help="with --raw-dir: joint SentencePiece pieces")
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu",
                    help="defaults of the grid: narrow (cpu) or the papers' width (gpu)")
-    p.add_argument("--inits", nargs="+", default=["post", "pre", "admin"], choices=list(INIT_VARIANTS))
+    p.add_argument("--inits", nargs="+", choices=list(INIT_VARIANTS), help="default: post pre admin")
     p.add_argument("--depths", nargs="+", help="N (N-N) or N-M encoder-decoder layers")
     p.add_argument("--lrs", nargs="+", type=float, help="peak learning rates")
     p.add_argument("--warmups", nargs="+", type=int, help="warmup updates")
@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-interval", type=int, help="validation (and checkpoint) every N updates")
     p.add_argument("--bleu-sentences", type=int, help="validation sentences decoded for BLEU (0: all)")
     p.add_argument("--bleu-beam", type=int)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--deepspeed_config", help="engine JSON for every cell (default ds_configs/zero1.json, "
+    p.add_argument("--seed", type=int, help="the run seed of every cell (default 1)")
+    p.add_argument("--deepspeed_config", help="engine JSON for every cell (default ds_configs/zero1.json; "
                                               "zero1_bf16.json with --scale gpu)")
     p.add_argument("--jobs", type=int, help="cells at a time (default: one per GPU, else 1)")
     p.add_argument("--output-change-seeds", type=int, default=2, help="models per (init, depth) for the "
@@ -69,25 +69,20 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = build_parser().parse_known_args(argv)
     from admin_ds.errors import UserError
-    from admin_ds.train.atlas import SCALES, Atlas, AtlasGrid, output_change_curve
+    from admin_ds.train.atlas import Atlas, AtlasGrid, output_change_curve
     from admin_ds.train.atlas_report import write_report
 
     try:
         bad = [a for a in extra if not (a.startswith("--") and "." in a.split("=")[0] and "=" in a)]
         if bad:
             raise UserError(f"unrecognised argument(s) {' '.join(bad)}; cell settings are --section.key=value")
-        scale = SCALES[args.scale]
-        pick = lambda value, key: scale[key] if value is None else value  # noqa: E731
-        grid = AtlasGrid(
-            inits=args.inits, depths=pick(args.depths, "depths"), lrs=pick(args.lrs, "lrs"),
-            warmups=pick(args.warmups, "warmups"), preset=scale["preset"], model_dim=pick(args.model_dim, "model_dim"),
-            ffn_inner_dim=pick(args.ffn_dim, "ffn_inner_dim"), num_heads=pick(args.heads, "num_heads"),
-            max_updates=pick(args.updates, "max_updates"), max_tokens=pick(args.max_tokens, "max_tokens"),
-            valid_interval=pick(args.valid_interval, "valid_interval"),
-            bleu_sentences=scale["bleu_sentences"] if args.bleu_sentences is None else (args.bleu_sentences or None),
-            bleu_beam=pick(args.bleu_beam, "bleu_beam"), seed=args.seed, extra=extra,
-            deepspeed_config=args.deepspeed_config or os.path.relpath(
-                HERE.parent / "ds_configs" / ("zero1_bf16.json" if args.scale == "gpu" else "zero1.json")))
+        grid = AtlasGrid.for_scale(
+            args.scale, inits=args.inits, depths=args.depths, lrs=args.lrs, warmups=args.warmups,
+            model_dim=args.model_dim, ffn_inner_dim=args.ffn_dim, num_heads=args.heads, max_updates=args.updates,
+            max_tokens=args.max_tokens, valid_interval=args.valid_interval, bleu_sentences=args.bleu_sentences,
+            bleu_beam=args.bleu_beam, seed=args.seed, extra=extra, deepspeed_config=args.deepspeed_config)
+        if args.deepspeed_config is None:  # the scale's engine JSON, from wherever the command runs
+            grid.deepspeed_config = os.path.relpath(HERE.parent / grid.deepspeed_config)
         out = Path(args.out)
         data = Path(args.data) if args.data else out / "data"
         if args.raw_dir:

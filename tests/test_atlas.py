@@ -27,7 +27,7 @@ def test_two_by_two_grid_through_the_command(tmp_path):
     the finished cells and resumes the unfinished one."""
     out = tmp_path / "atlas"
     args = ["--raw-dir", DATA / "multi30k", "--vocab-size", 1000, "--out", out, "--inits", "post", "admin",
-            "--depths", 1, 2, "--updates", 3, "--valid-interval", 3, "--bleu-sentences", 5, "--max-tokens", 512,
+            "--depths", 1, 2, "--lrs", 1e-3, "--updates", 3, "--valid-interval", 3, "--bleu-sentences", 5, "--max-tokens", 512,
             "--jobs", 2, "--output-change-seeds", 1, "--model.dropout_p=0.2"]
     first = atlas(*args)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -127,11 +127,16 @@ def test_unigram_cross_entropy_by_hand(tmp_path):
 
 
 def test_grid_cells_and_depths():
-    grid = AtlasGrid(inits=["post", "admin"], depths=["6", "60-12"], lrs=[1e-3, 2e-3], warmups=[100])
-    cells = grid.validate().cells()
+    grid = AtlasGrid.for_scale("cpu", inits=["post", "admin"], depths=["6", "60-12"], lrs=[1e-3, 2e-3])
+    cells = grid.cells()
     assert len(cells) == 8 and cells[0] == Cell("post", 6, 6, 1e-3, 100)
     assert cells[-1].name == "admin_60L-12L_lr0.002_wu100"
     assert parse_depth("60-12") == (60, 12) and parse_depth("18") == (18, 18)
+    gpu = AtlasGrid.for_scale("gpu")
+    assert (gpu.model_dim, gpu.ffn_inner_dim, gpu.num_heads, gpu.depths) == (512, 2048, 8, ["18", "60-12"])
+    args = gpu.overrides(Cell("admin", 60, 12, 1e-3, 4000), data_dir="D", run_dir="R")
+    assert "--model.num_encoder_layers=60" in args and "--model.num_decoder_layers=12" in args
+    assert "--model.model_dim=512" in args and not any(a.startswith("--train.bleu_max_sentences") for a in args)
 
 
 @pytest.mark.parametrize("args,message", [

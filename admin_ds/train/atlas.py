@@ -52,15 +52,18 @@ STALL_MARGIN_BITS = 0.5
 OUTCOMES = ("trained", "stalled", "diverged", "failed")
 CELLS_DIR = "cells"
 
-# The paper-width grid for GPU machines (Transformer-base 512/2048/8; Admin paper 18L-18L, very
-# deep paper 60L-12L) and the narrow grid two CPU cores can afford.
+# The defaults of a grid: the narrow one two CPU cores can afford, and the papers' width for GPU
+# machines (Transformer-base 512/2048/8; Admin paper 18L-18L, very deep paper 60L-12L). Engine
+# JSONs are named relative to the repository root.
 SCALES: dict[str, dict] = {
-    "cpu": dict(preset="debug-tiny", model_dim=64, ffn_inner_dim=256, num_heads=4, depths=["6", "18"],
-                lrs=[1e-3], warmups=[100], max_updates=300, max_tokens=2048, valid_interval=100,
-                bleu_sentences=200, bleu_beam=1),
-    "gpu": dict(preset="base-6L-6L", model_dim=512, ffn_inner_dim=2048, num_heads=8, depths=["18", "60-12"],
-                lrs=[5e-4, 1e-3], warmups=[4000], max_updates=20000, max_tokens=4096, valid_interval=1000,
-                bleu_sentences=None, bleu_beam=4),
+    "cpu": dict(inits=["post", "pre", "admin"], depths=["6", "18"], lrs=[1e-3, 3e-3, 1e-2], warmups=[100],
+                preset="debug-tiny", model_dim=64, ffn_inner_dim=256, num_heads=4, max_updates=300,
+                max_tokens=2048, valid_interval=100, bleu_sentences=200, bleu_beam=1,
+                deepspeed_config="ds_configs/zero1.json"),
+    "gpu": dict(inits=["post", "pre", "admin"], depths=["18", "60-12"], lrs=[5e-4, 1e-3], warmups=[4000],
+                preset="base-6L-6L", model_dim=512, ffn_inner_dim=2048, num_heads=8, max_updates=20000,
+                max_tokens=4096, valid_interval=1000, bleu_sentences=0, bleu_beam=4,
+                deepspeed_config="ds_configs/zero1_bf16.json"),
 }
 
 
@@ -95,24 +98,31 @@ class Cell:
 
 @dataclass
 class AtlasGrid:
-    """What every cell shares, and the axes that vary. Defaults: ``SCALES["cpu"]``."""
+    """What every cell shares, and the axes that vary (``for_scale`` fills in the defaults)."""
 
-    inits: list[str] = field(default_factory=lambda: ["post", "pre", "admin"])
-    depths: list[str] = field(default_factory=lambda: list(SCALES["cpu"]["depths"]))
-    lrs: list[float] = field(default_factory=lambda: list(SCALES["cpu"]["lrs"]))
-    warmups: list[int] = field(default_factory=lambda: list(SCALES["cpu"]["warmups"]))
-    preset: str = "debug-tiny"
-    model_dim: int = 64
-    ffn_inner_dim: int = 256
-    num_heads: int = 4
-    max_updates: int = 300
-    max_tokens: int = 2048
-    valid_interval: int = 100
-    bleu_sentences: Optional[int] = 200  # None: the whole validation split
-    bleu_beam: int = 1
+    inits: list[str]
+    depths: list[str]  # "18" or "60-12"
+    lrs: list[float]
+    warmups: list[int]
+    preset: str
+    model_dim: int
+    ffn_inner_dim: int
+    num_heads: int
+    max_updates: int
+    max_tokens: int
+    valid_interval: int  # validation and checkpoint every N updates
+    bleu_sentences: int  # validation sentences decoded for BLEU; 0: all
+    bleu_beam: int
+    deepspeed_config: str
     seed: int = 1
-    deepspeed_config: str = "ds_configs/zero1.json"
     extra: list[str] = field(default_factory=list)  # more --section.key=value for every cell
+
+    @classmethod
+    def for_scale(cls, scale: str = "cpu", **given) -> "AtlasGrid":
+        """``SCALES[scale]`` with the values in ``given`` that are not None."""
+        if scale not in SCALES:
+            raise ConfigError(f"--scale: expected one of {', '.join(SCALES)}, got {scale!r}")
+        return cls(**{**SCALES[scale], **{k: v for k, v in given.items() if v is not None}}).validate()
 
     def validate(self) -> "AtlasGrid":
         unknown = [i for i in self.inits if i not in INIT_VARIANTS]
@@ -138,7 +148,7 @@ class AtlasGrid:
 
     def overrides(self, cell: Cell, data_dir: Path, run_dir: Path) -> list[str]:
         """The cell's training command line: the shared settings, then what the cell varies."""
-        bleu_n = [] if self.bleu_sentences is None else [f"--train.bleu_max_sentences={self.bleu_sentences}"]
+        bleu_n = [f"--train.bleu_max_sentences={self.bleu_sentences}"] if self.bleu_sentences else []
         variant = INIT_VARIANTS[cell.init]
         return [
             "--deepspeed_config", self.deepspeed_config,

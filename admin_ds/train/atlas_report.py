@@ -89,7 +89,7 @@ def format_markdown(result: dict, command: str, plots: dict[str, Path]) -> str:
         f"{result['stall_margin_bits']} bits of the unigram model or above), {MARKS['diverged']} diverged "
         f"(non-finite, or final loss above the end-of-warmup loss), {MARKS['failed']} failed (error). "
         "Each cell: outcome, best validation nll (bits), validation BLEU "
-        f"({'all' if g['bleu_sentences'] is None else g['bleu_sentences']} sentences, beam {g['bleu_beam']})",
+        f"({g['bleu_sentences'] or 'all'} sentences, beam {g['bleu_beam']})",
         "",
     ]
     for lr, warmup in _settings(result):
