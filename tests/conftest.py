@@ -7,6 +7,7 @@ from distributed import SMALL_DATA, spawn
 
 NO_DROPOUT = ["--model.dropout_p=0", "--model.attention_dropout_p=0", "--model.activation_dropout_p=0"]
 ZERO = {s: {"zero_optimization": {"stage": s}, "gradient_accumulation_steps": 1} for s in (0, 1, 2, 3)}
+PIPE = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}
 
 
 def overrides(tmp, data_dir, *extra) -> list:

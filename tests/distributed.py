@@ -140,6 +140,31 @@ def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
             "tokens": t.profile.tokens}
 
 
+def profile_batches(run_overrides: list[str], ds: dict, tmp: str, batches: list[dict]) -> dict:
+    """The distributed profile of given padded batches, one per data-parallel rank ({"src": rows,
+    "tgt": rows} of token ids, tgt starting with EOS), with each formula; and the decoder layers
+    this rank's stage holds."""
+    import torch
+
+    t = _training(run_overrides, ds, tmp)
+    mine = batches[t.runner.dp_rank]
+    src, tgt_in = torch.tensor(mine["src"]), torch.tensor(mine["tgt"])
+    pad, eos = t.cfg.pad_idx, t.cfg.eos_idx
+    target = torch.cat([tgt_in[:, 1:], torch.full_like(tgt_in[:, :1], pad)], 1)
+    lengths = tgt_in.ne(pad).sum(1)
+    target[torch.arange(len(lengths)), lengths - 1] = eos  # the target ends where the input does
+    batch = {"src_tokens": src, "tgt_in_tokens": tgt_in, "target": target,
+             "ntokens": int(lengths.sum()), "nsentences": len(lengths)}
+    out = {}
+    for formula in ("reference", "paper"):
+        t.run.admin.formula = formula  # the runner reads its run config's admin section
+        profile = t.runner.profile(batch)
+        out[formula] = {"encoder": profile.omega("encoder"), "decoder": profile.omega("decoder")}
+    stage = getattr(t.runner, "stage", None)
+    held = t.runner.model if stage is None else stage.model
+    return {**out, "stage_decoder_layers": held.decoder_layers.indices()}
+
+
 # ---- reliability (tests/test_reliability.py) ----------------------------------------------------
 
 

@@ -186,6 +186,7 @@ class Training:
         self.data_dir = self._data_dir()
         self.manifest = self._manifest()
         self.cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
+        self.given_profile = self._given_profile()
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", run.train.keep_last, self.log.info,
                                              self.hooks.on_checkpoint_write)
         # Before the engine: a layout change needs an engine built for universal loading.
@@ -271,6 +272,16 @@ class Training:
         return result
 
     # ---- profiling -----------------------------------------------------------------------------
+    def _given_profile(self) -> Optional[Profile]:
+        """``admin.profile``, read and checked against the model before any work: a file of another
+        architecture (or a deepnmt list of another length) is refused with nothing written."""
+        path = self.run.admin.profile
+        if not path or self.cfg.init != "admin":
+            return None
+        profile = Profile.load(path, self.cfg)
+        profile.check_matches(self.cfg)
+        return profile
+
     def profiling_batch(self) -> dict:
         """This rank's first micro-batch of the first epoch: the batch the reference profiles on."""
         return self.evaluator.iterator("train", shuffle=True).next_batch()
@@ -281,9 +292,8 @@ class Training:
         run, cfg = self.run, self.cfg
         if cfg.init != "admin":
             return
-        if run.admin.profile:
-            profile = Profile.load(run.admin.profile, cfg)
-            profile.check_matches(cfg)
+        if self.given_profile is not None:
+            profile = self.given_profile
             self.log.info(f"[admin] using the profile {run.admin.profile} ({profile.formula})")
         else:
             t0 = time.perf_counter()
