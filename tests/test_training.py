@@ -171,6 +171,8 @@ def _refused(*args, ds=None, tmp=None):
     ({}, ["--train.nope=1"], "unknown field 'train.nope'"),
     ({}, ["--model.preset=admin-7L"], "model.preset: unknown preset 'admin-7L'"),
     ({}, ["--data.path=/nonexistent/dir"], "data.path: /nonexistent/dir: no manifest.json"),
+    ({"zero_optimization": {"stage": 3}}, ["--engine.compile=true"], "zero_optimization.stage=3 with engine.compile"),
+    ({}, ["--optim.implementation=fused"], "optim.implementation: 'fused' has Adam and AdamW only"),
     ("{ not json", [], "invalid JSON"),
 ])
 def test_refused_configurations(tmp_path, ds, extra, message):

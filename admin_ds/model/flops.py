@@ -70,11 +70,17 @@ def update_flops(cfg: ModelConfig, batches: Iterable[dict], padded: bool = False
     return sum(training_flops(cfg, b, padded) for b in batches)
 
 
-def padding_fraction(batches: Iterable[dict], pad_idx: int) -> float:
-    """Share of the source and target positions of ``batches`` that are padding."""
+def token_counts(batches: Iterable[dict], pad_idx: int) -> tuple[int, int]:
+    """(real tokens, positions) of the source and target tensors of ``batches``."""
     real = total = 0
     for b in batches:
         for key in ("src_tokens", "target"):
             real += int(b[key].ne(pad_idx).sum())
             total += b[key].numel()
+    return real, total
+
+
+def padding_fraction(batches: Iterable[dict], pad_idx: int) -> float:
+    """Share of the source and target positions of ``batches`` that are padding."""
+    real, total = token_counts(batches, pad_idx)
     return 1.0 - real / max(total, 1)

@@ -107,7 +107,7 @@ class Evaluator:
         return EpochBatchIterator(dataset, self.run.data.max_tokens, self.cfg.pad_idx, self.cfg.eos_idx,
                                   seed=self.run.train.seed, num_replicas=r.dp, rank=r.dp_rank, shuffle=shuffle,
                                   max_positions=min(self.run.data.max_positions, self.cfg.max_positions),
-                                  required_multiple=r.dp * gas)
+                                  pad_to_multiple=self.run.data.pad_to_multiple, required_multiple=r.dp * gas)
 
     @torch.no_grad()
     def valid_loss(self, split: str) -> dict:
@@ -203,6 +203,9 @@ class Training:
         self.state = TrainState()
         self.saved_update: Optional[int] = None
         self.profile: Optional[Profile] = None
+        # Dropout masks repeat from run to run, also when no profiling pass seeds them (a reused
+        # profile); a resumed run restores the checkpoint's RNG states instead.
+        torch.manual_seed(run.train.seed)
 
     def _check_world(self) -> None:
         layout = distributed.world_layout()
@@ -394,6 +397,7 @@ class Training:
                         "lr": engine.get_lr()[0], "grad_norm": stats["grad_norm"],
                         "loss_scale": engine.optimizer.cur_scale if self.layout["precision"] == "fp16" else None,
                         "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"],
+                        "padding": stats["padding"],
                         "skipped_nonfinite": self.guard.state.skipped_nonfinite}
                 self.log.record("train", **last)
                 if self.rank == 0:
