@@ -6,9 +6,12 @@
         --ds ds_configs/zero2_bf16.json --max-tokens 16384 --json runs/bench.jsonl   # one GPU
     ... --engine.compile=true --optim.implementation=fused    # any run-config override: a feature on/off
 
-One process (one rank), on the embedded default data (or --data DIR). For each preset: build the
-run exactly as launch/train.py does (admin_ds.train.loop.Training), time the profiling stage,
-run --warmup updates, then time --updates updates. FLOPs come from admin_ds/model/flops.py
+One process (one rank), on the embedded default data (or --data DIR). With --vocab-size V the
+embedded corpus's sentences keep their lengths but their tokens are drawn at random over a
+V-word vocabulary: the shapes, and so the cost, of a run with a real joint vocabulary (WMT14:
+32-44k; the generated corpus has 1,000 pieces), for throughput only (the loss means nothing).
+For each preset: build the run exactly as launch/train.py does (admin_ds.train.loop.Training),
+time the profiling stage, run --warmup updates, then time --updates updates. FLOPs come from admin_ds/model/flops.py
 (checked against torch's FlopCounterMode by tests/test_flops.py): real tokens only, as MFU
 counts them; the padded computation is reported beside them.
 
@@ -76,11 +79,12 @@ def gemm_tflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int
     return 2 * m * k * n / statistics.median(times) / 1e12
 
 
-def measured_peak(device: torch.device, precision: str, cfg, max_tokens: int) -> dict:
+def measured_peak(device: torch.device, precision: str, cfg, max_tokens: int, size: int = 0) -> dict:
     """The device's dense matrix-product rate in the training dtype: a large square product
-    (the peak MFU is measured against) and the feed-forward layer's own shape."""
+    (the peak MFU is measured against; ``size`` x ``size``, default 8192 on a GPU, 4096 on a CPU)
+    and the feed-forward layer's own shape."""
     dtype = DTYPES[precision]
-    n, repeats = (8192, 20) if device.type == "cuda" else (4096, 3)
+    n, repeats = (size or 8192, 20) if device.type == "cuda" else (size or 4096, 3)
     out = {"peak_tflops": round(gemm_tflops(device, dtype, n, n, n, repeats), 3),
            "layer_gemm_tflops": round(gemm_tflops(device, dtype, max_tokens, cfg.model_dim, cfg.ffn_inner_dim,
                                                   repeats * 3), 3)}
@@ -103,9 +107,8 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
     from admin_ds.train.run_config import load_run_config
 
     over = [f"--model.preset={preset}", f"--train.run_dir={args.run_dir}/{preset}", "--train.resume=false",
-            f"--data.max_tokens={args.max_tokens}", "--train.final_eval=false", *overrides]
-    if args.data:
-        over.append(f"--data.path={args.data}")
+            f"--data.max_tokens={args.max_tokens}", "--train.final_eval=false", f"--data.path={args.data}",
+            *overrides]
     t = Training(load_run_config(None, over), args.ds)
     t.setup()
     device = t.runner.device
@@ -131,9 +134,10 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
     synchronize(device)
     dt = time.perf_counter() - t0
     precision = eng.precision(t.ds)
-    peak = measured_peak(device, precision, t.cfg, args.max_tokens)
+    peak = measured_peak(device, precision, t.cfg, args.max_tokens, args.peak_size)
     achieved = flops / dt / 1e12
     row = {"preset": preset, "ds_config": args.ds, "precision": precision, "zero": eng.zero_stage(t.ds),
+           "vocab_size": t.cfg.vocab_size,
            "overrides": overrides, "device": device.type, "device_name": peak.pop("device_name"),
            "threads": torch.get_num_threads(), "max_tokens": args.max_tokens, "updates": args.updates,
            "tokens_per_s": round(tokens / dt), "update_s": round(dt / args.updates, 4),
@@ -149,6 +153,50 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
         row["breakdown_s"], row["top_operators"] = profile_updates(t, args.breakdown_updates)
     t.close()
     return row
+
+
+def prepare_data(args, overrides: list[str]) -> str:
+    """The data directory every preset reads: --data, or the embedded default corpus prepared once
+    (with --vocab-size, its sentence lengths with random tokens over that vocabulary)."""
+    from admin_ds.data.binarize import prepare_default_data
+    from admin_ds.train.run_config import load_run_config
+
+    if args.data:
+        return args.data
+    d = load_run_config(None, overrides).data
+    out = prepare_default_data(Path(args.run_dir) / "data", n_pairs=d.default_pairs, vocab_size=d.default_vocab_size,
+                               seed=1, log=print)
+    if not args.vocab_size:
+        return str(out)
+    return str(random_tokens(out, Path(args.run_dir) / f"data_v{args.vocab_size}", args.vocab_size))
+
+
+def random_tokens(source: Path, out: Path, vocab_size: int) -> Path:
+    """A data directory with ``source``'s splits, sentence for sentence of the same lengths, whose
+    tokens are drawn uniformly over the ordinary ids of a ``vocab_size`` vocabulary."""
+    import numpy as np
+
+    from admin_ds.data.binarize import load_manifest, write_manifest
+    from admin_ds.data.indexed import IndexedDataset, IndexedDatasetWriter
+
+    manifest = load_manifest(source)
+    if (out / "manifest.json").is_file() and load_manifest(out)["vocab_size"] == vocab_size:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    listed = []
+    for split in manifest["splits"]:
+        for lang in (manifest["src_lang"], manifest["tgt_lang"]):
+            prefix = f"{split}.{lang}"
+            with IndexedDatasetWriter(out / prefix, vocab_size) as w:
+                for n in IndexedDataset(source / prefix).sizes:
+                    w.add(rng.integers(4, vocab_size, int(n)))  # 0-3: bos, pad, eos, unk
+            listed += [f"{prefix}.bin", f"{prefix}.idx"]
+    keep = ("src_lang", "tgt_lang", "splits")  # no subword model: these ids decode to nothing
+    write_manifest(out, {**{k: manifest[k] for k in keep},
+                         "vocab_size": vocab_size, "files": listed,
+                         "command": f"bench/train_throughput.py --vocab-size {vocab_size} (random tokens)"})
+    return out
 
 
 def profile_updates(t, updates: int) -> tuple[dict, dict]:
@@ -172,14 +220,16 @@ def profile_updates(t, updates: int) -> tuple[dict, dict]:
     return {k: round(v, 4) for k, v in seconds.items()}, ops
 
 
-COLUMNS = ("preset", "precision", "zero", "tokens_per_s", "update_s", "padding", "tflops", "peak_tflops",
+COLUMNS = ("preset", "precision", "zero", "overrides", "tokens_per_s", "update_s", "padding", "tflops", "peak_tflops",
            "mfu_measured", "layer_gemm_tflops", "vendor_tflops", "mfu_vendor", "peak_mem_gib", "profile_over_update")
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    breakdowns = {f"{r['preset']} {r['precision']} ZeRO-{r['zero']}": r["breakdown_s"] for r in rows if "breakdown_s" in r}
+    cell = lambda v: "" if v is None else " ".join(v) if isinstance(v, list) else str(v)
+    lines += ["| " + " | ".join(cell(r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    breakdowns = {" ".join([r["preset"], r["precision"], f"ZeRO-{r['zero']}", *r["overrides"]]): r["breakdown_s"]
+                  for r in rows if "breakdown_s" in r}
     if breakdowns:
         lines += ["", "Where an update's time goes (share of the profiled wall time):", "", table(breakdowns)]
     return "\n".join(lines)
@@ -190,6 +240,9 @@ def main() -> None:
     p.add_argument("--presets", nargs="+", default=["debug-tiny"])
     p.add_argument("--ds", default="ds_configs/zero2.json")
     p.add_argument("--data", default=None, help="binarized data dir (default: the embedded default corpus)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="random tokens over this vocabulary, the embedded corpus's sentence lengths")
+    p.add_argument("--peak-size", type=int, default=0, help="square matrix product for the peak (0: 8192 GPU, 4096 CPU)")
     p.add_argument("--max-tokens", type=int, default=4096, help="padded tokens per micro-batch")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--updates", type=int, default=10)
@@ -206,6 +259,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_PORT", "29511")
+    args.data = prepare_data(args, overrides)
     rows = []
     for name in args.presets:
         rows.append(bench_preset(args, name, overrides))

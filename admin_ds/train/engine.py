@@ -321,9 +321,9 @@ def write_omega(engine, profile, buffers_only: bool = False) -> None:
         values = {k: v for k, v in values.items() if k in buffers}
     write_params(engine, values)
     # Identical on every rank: gather a digest of the whole profile and compare.
-    digest = torch.tensor([sum(s.omega * (i + 1) for i, s in enumerate(profile.sublayers))], dtype=torch.float64)
+    digest = sum(s.omega * (i + 1) for i, s in enumerate(profile.sublayers))
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [torch.zeros_like(digest) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, digest)
-        if any(not torch.equal(g, gathered[0]) for g in gathered):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, digest)  # objects: any backend (NCCL takes GPU tensors only)
+        if any(g != gathered[0] for g in gathered):
             raise RuntimeError("omega differs between ranks after profiling")

@@ -395,7 +395,7 @@ class Training:
                 last = {"update": u, "epoch": self.state.epoch, "loss": round(stats["loss"], 4),
                         "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
                         "lr": engine.get_lr()[0], "grad_norm": stats["grad_norm"],
-                        "loss_scale": engine.optimizer.cur_scale if self.layout["precision"] == "fp16" else None,
+                        "loss_scale": engine.optimizer.loss_scale if self.layout["precision"] == "fp16" else None,
                         "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"],
                         "padding": stats["padding"],
                         "skipped_nonfinite": self.guard.state.skipped_nonfinite}

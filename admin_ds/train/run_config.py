@@ -108,8 +108,11 @@ class EngineSection:
     connect_timeout_s: int = 120  # a rank that cannot reach the master gives up after this
     expect_world_size: Optional[int] = None  # refuse to start on any other number of ranks
     expect_nodes: Optional[int] = None  # refuse to start on any other number of nodes
-    # Speed and memory; none of these changes what is computed (tests/test_fast_paths.py):
-    skip_padding: bool = True  # position-wise work on real tokens only (data-parallel path)
+    # Speed and memory; none of these changes what is computed (tests/test_fast_paths.py).
+    # Position-wise work on real tokens only (data-parallel path). With dropout it draws other
+    # random numbers than the padded computation (none for padding): the same training in
+    # distribution, not number for number, so a run keeps the setting it started with.
+    skip_padding: bool = False
     activation_checkpointing: bool = False  # recompute each layer's activations in the backward
     compile: bool = False  # torch.compile each encoder and decoder layer (data-parallel path)
     # Training's decoder self-attention also masks padded target keys, as fairseq does. Off, it is
