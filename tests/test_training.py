@@ -193,6 +193,20 @@ def test_zero2_with_pipeline_is_refused():
     assert ds["train_batch_size"] == 6 and ds["gradient_clipping"] == 0.0
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_engine_config_passes_deepspeeds_validation(path):
+    """DeepSpeed's own config model accepts every engine JSON we ship, resolved against the
+    default run config (it is stricter than JSON: fp16.min_loss_scale must be an integer, say)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from admin_ds.train.engine import resolve_ds_config
+    from admin_ds.train.run_config import load_run_config
+
+    raw = json.loads(path.read_text())
+    ds = resolve_ds_config(raw, load_run_config(None, []), world=raw.get("pipeline", {}).get("stages", 1))
+    DeepSpeedConfig(ds)
+
+
 # ---- the main job --------------------------------------------------------------------------------
 
 
