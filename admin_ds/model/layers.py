@@ -371,7 +371,7 @@ class DecoderLayer(_SubLayers):
     # outputs at padded positions, which the loss ignores: training may drop it (False) and let
     # SDPA run its causal kernels (flash attention on a GPU) instead of reading a (B, T, T) mask.
     # Admin's reference profiling counts padded positions, so profiling always masks
-    # (``padded_target_keys_masked``); tests/test_model.py shows the loss and gradients unchanged.
+    # (``padded_target_keys_masked``); tests/test_fast_paths.py shows the loss and gradients unchanged.
     mask_padded_keys: bool = True
 
     def forward(self, y: torch.Tensor, enc: torch.Tensor, src_pad: Optional[torch.Tensor],

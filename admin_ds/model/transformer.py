@@ -187,8 +187,9 @@ class EncoderDecoder(nn.Module):
         Skipping padding: every position-wise product (projections, FFN, output layer) and norm
         runs on the real tokens; attention alone scatters them into the padded layout. Padded
         positions cost nothing and count for nothing (the loss ignores them, and real positions
-        never see them), so the loss and gradients are those of the padded computation: MFU counts
-        real tokens, and a batch with 10-20% padding runs that much faster (tests/test_fast_paths.py).
+        never see them), so the loss and gradients are those of the padded computation
+        (tests/test_fast_paths.py), and a batch with 10-20% padding saves up to that share of the
+        products (attention still runs padded; MFU counts real tokens only).
         Admin profiling counts padded positions (the reference does) and runs the padded path."""
         if not skip_padding:
             enc, src_pad = self.encode(src_tokens)

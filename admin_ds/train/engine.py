@@ -209,7 +209,10 @@ def make_optimizer(optim):
         kw = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
         if impl == "deepspeed":
             return _deepspeed_fused_adam(params, optim.optimizer == "adamw", kw)
-        kw.update(foreach=impl == "foreach") if impl != "fused" else kw.update(fused=True)
+        if impl == "fused":
+            kw["fused"] = True
+        else:
+            kw["foreach"] = impl == "foreach"
         cls = {"radam": torch.optim.RAdam, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[optim.optimizer]
         return cls(params, **kw)
 
