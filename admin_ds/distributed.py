@@ -237,9 +237,15 @@ def barrier() -> None:
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL."""
+    """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL.
+    NCCL reduces GPU tensors only: a CPU tensor (token counts, loss sums) goes through the GPU."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            on_gpu = t.to(torch.cuda.current_device())
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM, group=group)
+            t.copy_(on_gpu)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

@@ -172,6 +172,8 @@ def _refused(*args, ds=None, tmp=None):
     ({}, ["--train.nope=1"], "command line: train.nope: unknown key"),
     ({}, ["--model.preset=admin-7L"], "model.preset: unknown preset 'admin-7L'"),
     ({}, ["--data.path=/nonexistent/dir"], "data.path: /nonexistent/dir: no manifest.json"),
+    ({"zero_optimization": {"stage": 3}}, ["--engine.compile=true"], "zero_optimization.stage=3 with engine.compile"),
+    ({}, ["--optim.implementation=fused"], "optim.implementation: 'fused' has Adam and AdamW only"),
     ("{ not json", [], "invalid JSON"),
 ])
 def test_refused_configurations(tmp_path, ds, extra, message):
@@ -190,6 +192,20 @@ def test_zero2_with_pipeline_is_refused():
         resolve_ds_config({"zero_optimization": {"stage": 2}}, run, world=4)
     ds = resolve_ds_config({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 3}, run, world=4)
     assert ds["train_batch_size"] == 6 and ds["gradient_clipping"] == 0.0
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_engine_config_passes_deepspeeds_validation(path):
+    """DeepSpeed's own config model accepts every engine JSON we ship, resolved against the
+    default run config (it is stricter than JSON: fp16.min_loss_scale must be an integer, say)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from admin_ds.train.engine import resolve_ds_config
+    from admin_ds.train.run_config import load_run_config
+
+    raw = json.loads(path.read_text())
+    ds = resolve_ds_config(raw, load_run_config(None, []), world=raw.get("pipeline", {}).get("stages", 1))
+    DeepSpeedConfig(ds)
 
 
 # ---- the main job --------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ class Evaluator:
                                       self.cfg.pad_idx, self.cfg.eos_idx, seed=self.run.train.seed, num_replicas=r.dp,
                                       rank=r.dp_rank, shuffle=shuffle,
                                       max_positions=min(data.max_positions, self.cfg.max_positions),
-                                      required_multiple=r.dp * gas)
+                                      pad_to_multiple=data.pad_to_multiple, required_multiple=r.dp * gas)
         except ValueError as e:
             raise ConfigError(f"data.max_tokens={data.max_tokens}: {self.data_dir}, split {split}: {e}; raise "
                               f"data.max_tokens, or lower data.max_positions={data.max_positions} to drop longer "
@@ -213,6 +213,9 @@ class Training:
         self.state = TrainState()
         self.saved_update: Optional[int] = None
         self.profile: Optional[Profile] = None
+        # Dropout masks repeat from run to run, also when no profiling pass seeds them (a reused
+        # profile); a resumed run restores the checkpoint's RNG states instead.
+        torch.manual_seed(run.train.seed)
 
     def _lock_run_dir(self) -> None:
         """One training per run directory: rank 0 holds ``RUN_DIR/.lock`` for the whole run (the
@@ -428,8 +431,9 @@ class Training:
                 last = {"update": u, "epoch": self.state.epoch, "loss": round(stats["loss"], 4),
                         "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
                         "lr": engine.get_lr()[0], "grad_norm": stats["grad_norm"],
-                        "loss_scale": engine.optimizer.cur_scale if self.layout["precision"] == "fp16" else None,
+                        "loss_scale": engine.optimizer.loss_scale if self.layout["precision"] == "fp16" else None,
                         "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"],
+                        "padding": stats["padding"],
                         "skipped_nonfinite": self.guard.state.skipped_nonfinite}
                 self.log.record("train", **last)
                 if self.rank == 0:
