@@ -198,7 +198,8 @@ class Watchdog:
         publisher.start()
         publisher.join(self.interval)
         cause = f" ({dist.get_backend()}: {self._suspect})" if self._suspect else ""
-        print(f"error: rank {self.rank} ({self.host}) stops in {self._mark}{cause}: {verdict}. Rerun the same "
+        # A newline first: rank 0's progress bar may hold the current line.
+        print(f"\nerror: rank {self.rank} ({self.host}) stops in {self._mark}{cause}: {verdict}. Rerun the same "
               "command to resume from the newest complete checkpoint, on the remaining nodes if one is lost "
               f"(exit status {RANK_LOST_STATUS})", file=sys.stderr, flush=True)
         sys.stdout.flush()
