@@ -38,13 +38,19 @@ def fixed_profile(tmp_path_factory, data_dir):
 REFERENCE_UPDATES = 4
 
 
+def reference_args(run_dir, data_dir, port, ds=REPO / "ds_configs/zero2.json") -> list:
+    """launch/train.py's arguments for runs compared with ``two_rank_reference``: dropout off, so
+    that a run resumed on another layout (other ranks, other dropout streams) continues it exactly."""
+    return [*run_args(run_dir, data_dir, port, REFERENCE_UPDATES, ds=ds), *NO_DROPOUT]
+
+
 @pytest.fixture(scope="session")
 def two_rank_reference(tmp_path_factory, data_dir):
     """Losses of `deepspeed --num_gpus 2 launch/train.py` (ZeRO-2, REFERENCE_UPDATES updates) on
     this machine: every other launch path, one host or two, must reproduce them."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
-           *run_args(run_dir, data_dir, free_port(), REFERENCE_UPDATES)]
+           *reference_args(run_dir, data_dir, free_port())]
     out = check(subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=600), "deepspeed")
     assert "[world] 2 rank(s)" in out
     return losses(run_dir)

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-import launching
-from conftest import REFERENCE_UPDATES
+from conftest import reference_args as run_args
 from distributed import REPO, SMALL_DATA, free_port, spawn
 from launching import check, clean_env, losses
 
@@ -19,8 +18,6 @@ needs_mpi = pytest.mark.skipif(shutil.which("mpirun") is None,
                                reason="OpenMPI (mpirun) is not installed; launch/setup_env.sh installs it as root")
 
 
-def run_args(run_dir, data_dir, port):
-    return launching.run_args(run_dir, data_dir, port, REFERENCE_UPDATES)
 
 
 @needs_mpi
