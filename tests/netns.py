@@ -97,8 +97,9 @@ class TwoHosts:
 
     def popen(self, node: str, cmd: list, env: dict, log: Path) -> subprocess.Popen:
         """``cmd`` on ``node``, its output (both streams) into ``log``."""
-        return subprocess.Popen([str(self.enter), node, *map(str, cmd)], env=env, stdout=open(log, "w"),
-                                stderr=subprocess.STDOUT)
+        with open(log, "w") as out:  # the child has its own copy of the descriptor
+            return subprocess.Popen([str(self.enter), node, *map(str, cmd)], env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
 
     def agent(self) -> str:
         """An rsh agent for mpirun: `agent HOST COMMAND-WORDS...`, as ssh would be called."""

@@ -81,6 +81,19 @@ def test_layout_is_checked_against_the_config(tmp_path, data_dir):
     assert "engine.expect_world_size=8, but this launch has 1" in out.stderr
 
 
+def test_ranks_of_one_node_with_the_same_local_rank_are_refused():
+    """A launcher that gives two ranks of a node one LOCAL_RANK would put them on one GPU."""
+    from admin_ds.distributed import describe_ranks
+    from admin_ds.errors import ConfigError
+
+    net = {"interface": "cl0", "address": "198.18.0.1", "chosen_by": "route to the master"}
+    ranks = [dict(net, host="n1", local_rank=0), dict(net, host="n2", local_rank=0), dict(net, host="n1", local_rank=1)]
+    assert describe_ranks(ranks)[0] == "n1: rank(s) 0, 2, local rank(s) 0, 1; interface cl0 198.18.0.1 (route to the master)"
+    ranks[2]["local_rank"] = 0
+    with pytest.raises(ConfigError, match=r"ranks 0, 2 on n1 have the local ranks \[0, 0\]"):
+        describe_ranks(ranks)
+
+
 def test_slurm_nodelist_expansion():
     from admin_ds.distributed import expand_nodelist
 

@@ -194,14 +194,13 @@ def test_requeue_wrapper_reruns_a_deepspeed_launch_stopped_by_a_signal(tmp_path,
     run = tmp_path / "run"
     cmd = ["bash", str(REPO / "launch/requeue.sh"), "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
            str(REPO / "tests/fault_train.py"), "signal_during_save:INT:0", *run_args(run, data_dir, free_port(), UPDATES)]
-    env = clean_env(PYTHONPATH=f"{REPO / 'tests'}:{os.environ.get('PYTHONPATH', '')}")
     def rank1():
         found = [p.pid for p in psutil.Process(wrapper.pid).children(recursive=True)
                  if "fault_train.py" in " ".join(p.cmdline()) and "--local_rank=1" in p.cmdline()]
         assert len(found) == 1, found
         return found
 
-    with _cleaned_up(subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+    with _cleaned_up(subprocess.Popen(cmd, env=clean_env(), text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT)) as wrapper:
         logged, what = _signal_at_random(run, wrapper, rank1, signal.SIGTERM, rng)
         rc, out = _finish(wrapper)

@@ -5,7 +5,6 @@ status 3, and leave no traceback: no rank may wait until the allocation ends. en
 is 20 s here; the waits are bounded."""
 
 import contextlib
-import signal
 import subprocess
 import sys
 
@@ -21,14 +20,17 @@ RANK_LOST = 3
 
 def _ranks(tmp_path, data_dir, fault):
     port = free_port()
-    env = dict(clean_env(), PYTHONPATH=f"{REPO / 'tests'}:{clean_env().get('PYTHONPATH', '')}")
+    env = clean_env()
     args = [*run_args(tmp_path / "run", data_dir, free_port(), 20), "--engine.dist_timeout_s=20"]
-    # Output to files: a rank blocked on a full pipe the test is not reading would hang for real.
-    return [subprocess.Popen([sys.executable, str(REPO / "tests/fault_train.py"), fault, *args],
-                             env=dict(env, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r),
-                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                             stdout=open(tmp_path / f"rank{r}.out", "w"), stderr=open(tmp_path / f"rank{r}.err", "w"))
-            for r in range(WORLD)]
+    procs = []
+    for r in range(WORLD):
+        # Output to files: a rank blocked on a full pipe the test is not reading would hang for real.
+        with open(tmp_path / f"rank{r}.out", "w") as out, open(tmp_path / f"rank{r}.err", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, str(REPO / "tests/fault_train.py"), fault, *args],
+                                          env=dict(env, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r),
+                                                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                                          stdout=out, stderr=err))
+    return procs
 
 
 @contextlib.contextmanager

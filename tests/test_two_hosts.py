@@ -16,7 +16,7 @@ import pytest
 
 import netns
 from conftest import REFERENCE_UPDATES, reference_args
-from distributed import REPO, free_port
+from distributed import REPO
 from launching import clean_env, losses
 
 PORT = 29500  # each node has its own network: no other test can hold a port there

@@ -43,9 +43,9 @@ from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_
 from admin_ds.train.guard import DivergenceGuard, apply_lr_scale
 from admin_ds.train.hooks import Hooks
 from admin_ds.train.preemption import REQUEUE_STATUS, StopSignals
-from admin_ds.train.watchdog import Watchdog
 from admin_ds.train.run_config import RunConfig, dump_run_config
 from admin_ds.train.runners import LN2, Runner, make_runner
+from admin_ds.train.watchdog import Watchdog
 
 
 @dataclass
