@@ -8,11 +8,14 @@
 #   bash launch/requeue.sh deepspeed --num_gpus 8 launch/train.py --deepspeed_config ... --config ...
 #   bash launch/requeue.sh --max-requeues 20 deepspeed --hostfile hosts launch/train.py ...
 #
-# Signal the ranks, not the deepspeed launcher: on SIGTERM or SIGINT the launcher terminates its
-# ranks (SIGTERM, which they take as a stop request, then SIGKILL after 30 s) and exits with 1.
-# A signal to this script stops the loop: it is passed to the command as SIGTERM, and this script
-# exits with the command's status once it ends.
+# To make a run save and requeue, signal its ranks (`kill -USR1 <pid of any rank>`), not the
+# deepspeed launcher: on SIGTERM or SIGINT the launcher terminates its ranks (SIGTERM, which they
+# take as a stop request, then SIGKILL after 30 s) and exits with 1. A signal to this script stops
+# the loop: SIGTERM goes to every process of the running attempt (its own process group: the
+# launcher and the ranks, which save at their next update boundary), and this script exits with
+# the command's status once they have all ended (SIGKILL for what remains after 60 s).
 set -u
+set -m  # each attempt in a process group of its own, so that a stop reaches all of its processes
 max_requeues=100
 if [ "${1:-}" = "--max-requeues" ]; then
     max_requeues=$2
@@ -24,7 +27,7 @@ if [ $# -eq 0 ]; then
 fi
 stopping=0
 child=
-trap 'stopping=1; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null' INT TERM
+trap 'stopping=1; [ -n "$child" ] && kill -TERM -- "-$child" 2>/dev/null' INT TERM
 for ((attempt = 1; ; attempt++)); do
     "$@" &
     child=$!
@@ -33,6 +36,11 @@ for ((attempt = 1; ; attempt++)); do
         status=$?
         kill -0 "$child" 2>/dev/null || break  # a trapped signal interrupted the wait
     done
+    for _ in $(seq 60); do  # the first process may end before the others of its group
+        kill -0 -- "-$child" 2>/dev/null || break
+        sleep 1
+    done
+    kill -KILL -- "-$child" 2>/dev/null
     child=
     if [ "$status" -ne 75 ] || [ "$stopping" -eq 1 ]; then
         exit "$status"

@@ -215,3 +215,27 @@ def test_requeue_wrapper_reruns_a_deepspeed_launch_stopped_by_a_signal(tmp_path,
     tags = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
     assert tags == [f"update_{k:06d}", f"update_{UPDATES:06d}"], tags
     _same_as_reference(run, slurm_reference, what)
+
+
+def test_a_signal_to_the_requeue_wrapper_stops_the_run_after_a_checkpoint(tmp_path, data_dir):
+    """SIGTERM to launch/requeue.sh itself (its caller wants the run to end): every process of the
+    attempt gets SIGTERM, the ranks save at the next update boundary, the wrapper waits until the
+    launcher and the ranks have ended and does not start the command again."""
+    run = tmp_path / "run"
+    cmd = ["bash", str(REPO / "launch/requeue.sh"), "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
+           str(REPO / "launch/train.py"), *run_args(run, data_dir, free_port(), UPDATES)]
+    with _cleaned_up(subprocess.Popen(cmd, env=clean_env(), text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT)) as wrapper:
+        processes = []
+
+        def wrapper_only():
+            processes.extend(psutil.Process(wrapper.pid).children(recursive=True))
+            return [wrapper.pid]
+
+        logged, what = _signal_at_random(run, wrapper, wrapper_only, signal.SIGTERM, random.Random())
+        rc, out = _finish(wrapper)
+    assert rc not in (0, REQUEUE), (what, rc, out[-3000:])
+    assert "[requeue]" not in out
+    assert "[stop] SIGTERM on 2 rank(s)" in out, out[-3000:]
+    _stop_checks(run, logged, what, out)
+    assert len(processes) >= 4 and not [p for p in processes if p.is_running()], processes  # runner, launcher, ranks
