@@ -9,7 +9,9 @@ Order of work (each step refuses bad input before the next one starts):
      decided before the engine is built), then the runner: model, engine (runners.py)
   4. resume, or establish the profile (distributed profiling, or a given profile) and write omega
   5. updates, with the log, validation and checkpoints at their intervals; the divergence guard
-     skips non-finite updates and rolls back on divergence (guard.py)
+     skips non-finite updates and rolls back on divergence (guard.py); after each update the ranks
+     agree whether a signal asked them to stop (preemption.py): then a checkpoint, and the summary
+     says ``requeue`` (launch/train.py exits with status 75)
   6. final checkpoint, validation loss, BLEU on the test split, summary
 
 The pieces know nothing of the layout: the runner does the steps (runners.py), the checkpoint
@@ -37,11 +39,13 @@ from admin_ds.model.config import ModelConfig
 from admin_ds.model.profiling import Profile, omega_table
 from admin_ds.model.transformer import count_parameters
 from admin_ds.train import engine as eng
-from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_loading, describe
+from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_loading, describe, tag_for
 from admin_ds.train.guard import DivergenceGuard, apply_lr_scale
 from admin_ds.train.hooks import Hooks
+from admin_ds.train.preemption import REQUEUE_STATUS, StopSignals
 from admin_ds.train.run_config import RunConfig, dump_run_config
 from admin_ds.train.runners import LN2, Runner, make_runner
+from admin_ds.train.watchdog import Watchdog
 
 
 @dataclass
@@ -165,6 +169,8 @@ class Training:
         self.runner: Optional[Runner] = None
         self.log: Optional[RunLog] = None
         self.lock: Optional[files.DirectoryLock] = None
+        self.stop = StopSignals()
+        self.watchdog: Optional[Watchdog] = None
 
     # ---- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -173,6 +179,8 @@ class Training:
         eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s, run.engine.connect_timeout_s)
         self.rank, self.world = distributed.rank(), distributed.world_size()
         self._lock_run_dir()
+        self.watchdog = Watchdog(run.engine.dist_timeout_s)  # a rank that stops or dies is named
+        self.watchdog.start()
         self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
         self._check_world()
         self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
@@ -238,6 +246,8 @@ class Training:
         layout = distributed.world_layout()
         self.log.info(f"[world] {layout['nodes']} node(s): " + ", ".join(
             f"{host} x {n}" for host, n in layout["ranks_per_node"].items()))
+        for line in distributed.describe_ranks(layout["ranks"]):
+            self.log.info(f"[world] {line}")
         e = self.run.engine
         for name, want, have in (("engine.expect_world_size", e.expect_world_size, layout["world_size"]),
                                  ("engine.expect_nodes", e.expect_nodes, layout["nodes"])):
@@ -295,6 +305,7 @@ class Training:
         run, cfg = self.run, self.cfg
         if cfg.init != "admin":
             return
+        self.watchdog.mark("profiling")
         if self.given_profile is not None:
             profile = self.given_profile
             self.log.info(f"[admin] using the profile {run.admin.profile} ({profile.formula})")
@@ -325,6 +336,7 @@ class Training:
 
     def save(self) -> None:
         t0 = time.perf_counter()
+        self.watchdog.mark(f"checkpoint {self.state.update}")
         tag = self.checkpoints.save(self.runner.engine, self.state.update, self.client_state())
         self.saved_update = self.state.update
         self.log.info(f"[checkpoint] saved {self.checkpoints.dir / tag} in {time.perf_counter() - t0:.1f}s")
@@ -382,6 +394,7 @@ class Training:
     def train_update(self) -> dict:
         """One optimizer update; the train state advances."""
         self.hooks.update_start(self.state.update + 1)
+        self.watchdog.mark(f"update {self.state.update + 1}")
         stats = self.runner.train_step([self.iterator.next_batch() for _ in range(self.ds["gradient_accumulation_steps"])])
         s = self.state
         s.update, s.epoch = s.update + 1, self.iterator.epoch
@@ -407,7 +420,8 @@ class Training:
                    desc="train", unit="upd", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
         t_start = time.perf_counter()
         window_tokens, window_t0 = 0, time.perf_counter()
-        last = {}
+        last, stopped = {}, None
+        self.stop.install()
         while self.state.update < run.train.max_updates:
             if run.train.max_epochs and self.iterator.epoch > run.train.max_epochs:
                 break
@@ -441,6 +455,7 @@ class Training:
                                          for k, v in last.items() if v is not None))
                 window_tokens, window_t0 = 0, time.perf_counter()
             if u % run.train.valid_interval_updates == 0 and u < run.train.max_updates:
+                self.watchdog.mark(f"validation after update {u}")
                 v = self.evaluator.valid_loss(run.data.valid_split)
                 self.log.record("valid", update=u, **v)
                 self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
@@ -452,16 +467,28 @@ class Training:
                     self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
             if u % run.train.save_interval_updates == 0 and u < run.train.max_updates:
                 self.save()
+            if u < run.train.max_updates:  # a signal after the last update changes nothing
+                stopped = self.stop.agreed(self.runner.device)
+                if stopped:
+                    break
         bar.close()
         train_s = time.perf_counter() - t_start
         if self.saved_update != self.state.update:  # decided locally: every rank agrees without I/O
             self.save()
+        self.stop.restore()  # only now: a second signal must not interrupt the save
+        if stopped:
+            u = self.state.update
+            self.log.record("stop", update=u, signals=stopped)
+            self.log.info(f"[stop] {stopped}: saved {self.checkpoints.dir / tag_for(u)} at update {u}; exit "
+                          f"status {REQUEUE_STATUS} (saved for requeue): the same command resumes from there")
+            return {"updates": u, "stopped_by": stopped, "requeue": True}
         return self._finish(train_s, last)
 
     def _finish(self, train_s: float, last: dict) -> dict:
         summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
                    "train_s": round(train_s, 1), "last_train_loss": last.get("loss")}
         bleu = None
+        self.watchdog.mark("final evaluation")
         if self.run.train.final_eval:
             v = self.evaluator.valid_loss(self.run.data.valid_split)
             self.log.record("valid", update=self.state.update, **v)
@@ -480,6 +507,8 @@ class Training:
     def close(self) -> None:
         import gc
 
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -504,6 +533,11 @@ def train(run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None) ->
         summary = training.fit()
         clean = True
         return summary
+    except RuntimeError as e:
+        if training.watchdog is not None:
+            training.watchdog.collective_failed(e)  # a rank missing: reports it and exits (status 3)
+        raise
     finally:
+        training.stop.restore()
         training.close()
         distributed.shutdown(clean)
