@@ -346,11 +346,13 @@ def test_bad_input_gives_clear_messages(run_dir, input_file, tmp_path):
     from admin_ds.inference.model_file import ModelFileError, load_any
 
     refused(cli("translate.py", "--checkpoint", tmp_path / "missing", "--input", input_file),
-            "missing: no such run directory, checkpoint directory or model file")
+            "argument --checkpoint: no such file or directory")
     torn = tmp_path / "torn_run"
     shutil.copytree(run_dir / "checkpoints/update_000010", torn / "checkpoints/update_000010")
     (torn / "checkpoints/update_000010/COMPLETE").unlink()
     refused(cli("translate.py", "--checkpoint", torn, "--input", input_file), "no complete, intact checkpoint")
+    with pytest.raises(ModelFileError, match="missing: no such run directory, checkpoint directory or model file"):
+        load_any(tmp_path / "missing")
     with pytest.raises(ModelFileError, match="checkpoint is incomplete"):
         load_any(torn / "checkpoints/update_000010")
     with pytest.raises(ModelFileError, match="not an admin-ds model file"):
