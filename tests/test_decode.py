@@ -411,6 +411,19 @@ def test_output_independent_of_batch_padding(copy_models):
 # ---- 8. the CPU inference rewrite (admin_ds/inference.py) ----------------------------------------
 
 
+def tiny_model_and_batch(kw):
+    """(an untrained debug-tiny model with ``kw``, omega profiled when Admin; sources; targets)."""
+    from admin_ds.profiling import profile_omega
+
+    torch.manual_seed(0)
+    plain = build_model(get_preset("debug-tiny", vocab_size=1000, **NO_DROPOUT, **kw)).eval()
+    src, _ = sources(1, 6)
+    tgt = torch.cat([torch.full((6, 1), EOS), torch.randint(4, 1000, (6, 5))], dim=1)
+    if kw["init"] == "admin":
+        profile_omega(plain, (src, tgt), seed=0)
+    return plain, src, tgt
+
+
 def packed_copy(model):
     from admin_ds.inference.packed import optimize_for_decoding
 
@@ -436,14 +449,7 @@ def test_packed_model_computes_what_the_plain_model_computes(kw):
     """Every Linear packed (FFN activation fused, Q/K/V of a decoder step in one product, the tied
     output projection too): full-forward logits and step-by-step logits equal the plain model's
     to float32 rounding, and the rewritten model's own step-by-step path equals its full forward."""
-    from admin_ds.profiling import profile_omega
-
-    torch.manual_seed(0)
-    plain = build_model(get_preset("debug-tiny", vocab_size=1000, **NO_DROPOUT, **kw)).eval()
-    src, _ = sources(1, 6)
-    tgt = torch.cat([torch.full((6, 1), EOS), torch.randint(4, 1000, (6, 5))], dim=1)
-    if kw["init"] == "admin":
-        profile_omega(plain, (src, tgt), seed=0)
+    plain, src, tgt = tiny_model_and_batch(kw)
     packed = packed_copy(plain)
     layers = plain.cfg.num_encoder_layers + plain.cfg.num_decoder_layers
     expected = 6 * plain.cfg.num_encoder_layers + 11 * plain.cfg.num_decoder_layers + 1  # + output projection
@@ -542,14 +548,7 @@ def test_int8_replaces_every_linear_and_stays_close_to_fp32(kw):
     nothing float is left), and the logits stay within 5% of their range of the fp32 model's,
     on the full forward and step by step."""
     from admin_ds.model.layers import IncrementalState
-    from admin_ds.profiling import profile_omega
-
-    torch.manual_seed(0)
-    plain = build_model(get_preset("debug-tiny", vocab_size=1000, **NO_DROPOUT, **kw)).eval()
-    src, _ = sources(1, 6)
-    tgt = torch.cat([torch.full((6, 1), EOS), torch.randint(4, 1000, (6, 5))], dim=1)
-    if kw["init"] == "admin":
-        profile_omega(plain, (src, tgt), seed=0)
+    plain, src, tgt = tiny_model_and_batch(kw)
     q = int8_copy(plain)
     expected = 6 * plain.cfg.num_encoder_layers + 11 * plain.cfg.num_decoder_layers + 1
     assert count_linear(q) == (expected, 0)
