@@ -330,6 +330,30 @@ def describe_ranks(ranks: list[dict]) -> list[str]:
     return lines
 
 
+def pin_to_cores() -> list[int]:
+    """Bind this rank to its own share of its node's CPU cores and return them (collective).
+
+    Ranks on one node that all start with the same cores (torchrun, the deepspeed launcher) split
+    them into contiguous, disjoint blocks in local-rank order: unpinned, every rank's intra-op
+    threads roam over all cores, and two ranks' OpenMP teams then preempt each other's
+    spin-waiting threads, which costs more than the second rank gains. Ranks a launcher already
+    bound to different cores (mpirun --bind-to) keep them. With more ranks than cores, ranks
+    share cores round-robin."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = (socket.gethostname(), cores)
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    local = [c for h, c in everyone if h == mine[0]]
+    if any(c != cores for c in local):
+        return cores
+    i, n = [r for r, (h, _) in enumerate(everyone) if h == mine[0]].index(rank()), len(local)
+    share = [cores[i % len(cores)]] if n > len(cores) else cores[len(cores) * i // n:len(cores) * (i + 1) // n]
+    os.sched_setaffinity(0, share)
+    return share
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
