@@ -21,7 +21,7 @@ import pytest
 from distributed import REPO, free_port
 from launching import assert_same_state, clean_env, final_state, records, run_args, wait_for_update
 
-UPDATES = 30
+UPDATES = 60
 REQUEUE = 75
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost"}
 
@@ -104,16 +104,20 @@ def _cleaned_up(proc):
 
 
 def _signal_at_random(run_dir, proc, pids, sig, rng):
-    """After update 2 is logged, wait a random 0-1 s and send ``sig`` to ``pids()``. Returns the
-    last update logged before the signal and a description for failure messages."""
-    wait_for_update(run_dir, 2, proc)
-    delay = rng.uniform(0, 1)
+    """At a random moment in the first third of the run (after a random update from 2 to
+    UPDATES // 3 is logged, then a random 0-0.2 s), send ``sig`` to ``pids()``. The moment is
+    chosen by update, not by time, so that the signal lands before the run ends on a machine of
+    any speed. Returns the last update logged before the signal (read just before sending it) and
+    a description for failure messages."""
+    after = rng.randint(2, UPDATES // 3)
+    wait_for_update(run_dir, after, proc)
+    delay = rng.uniform(0, 0.2)
     time.sleep(delay)
-    done = [r["update"] for r in records(run_dir, "train")]
     pids = pids()
+    done = [r["update"] for r in records(run_dir, "train")]
     for pid in pids:
         os.kill(pid, sig)
-    return done[-1], f"{sig.name} to pid(s) {pids} {delay:.2f} s after update 2, update {done[-1]} logged"
+    return done[-1], f"{sig.name} to pid(s) {pids} {delay:.2f} s after update {after}, update {done[-1]} logged"
 
 
 def _stop_checks(run_dir, logged_before, what, out):
