@@ -25,6 +25,7 @@ import hashlib
 import re
 import unicodedata
 
+import numpy as np
 from sacremoses import MosesPunctNormalizer
 
 # ---- reading one side ------------------------------------------------------------------------
@@ -199,13 +200,10 @@ def pair_digest(src: bytes, tgt: bytes) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def length_filter(n_src: int, n_tgt: int, min_len: int, max_len: int, ratio: float) -> str | None:
+def length_filter(n_src, n_tgt, min_len: int, max_len: int, ratio: float):
     """clean-corpus-n.perl's rule on subword counts: the name of the filter that drops the pair,
-    or None to keep it."""
-    if n_src < min_len or n_tgt < min_len:
-        return "too_short"
-    if n_src > max_len or n_tgt > max_len:
-        return "too_long"
-    if n_src > ratio * n_tgt or n_tgt > ratio * n_src:
-        return "ratio"
-    return None
+    or "" to keep it. On arrays of counts (numpy), an array of names."""
+    n_src, n_tgt = np.asarray(n_src), np.asarray(n_tgt)
+    return np.select([(n_src < min_len) | (n_tgt < min_len), (n_src > max_len) | (n_tgt > max_len),
+                      (n_src > ratio * n_tgt) | (n_tgt > ratio * n_src)],
+                     ["too_short", "too_long", "ratio"], default="")[()]

@@ -220,6 +220,7 @@ def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
     src_name, tgt_name = plan.clean_paths()
     # Every range source is indexed first: two sides of different lengths fail before any work.
     ranges = [source.shards(plan.chunk_lines) for source in plan.train]
+    phases = {"index": time.perf_counter() - t0}  # seconds of each phase, for the benchmark
     directory = shard_folder(plan, "clean", key, {"chunk_lines": plan.chunk_lines})
     shard_stats: dict[int, dict] = {}
     read_drops = [{} for _ in plan.train]  # counted here for sources read by this process
@@ -245,19 +246,25 @@ def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
             tqdm(unit=" pairs", desc="clean", disable=plan.quiet or None, mininterval=1) as bar:
         for task, record in _tasks_and_results(pool, clean_shard, clean_tasks()):
             shard_stats[task.index] = record
-            bar.update(sum(record.values()))
+            bar.update(record["pairs"] + record["invalid_utf8"] + record["empty"]
+                       + record.get("overlong", 0) + record.get("malformed", 0))
+        phases["clean"] = time.perf_counter() - t0 - sum(phases.values())
         n_shards = len(owner)
         if reused:
             plan.log(f"[prep] clean: {len(reused)} of {n_shards} shards left from an earlier run reused")
         shard_pairs = [shard_stats[i]["pairs"] for i in range(n_shards)]
         buckets = max(1, -(-sum(shard_pairs) // BUCKET_PAIRS))
-        list(pool.map(find_duplicates, [DuplicateBucket(directory, b, buckets, shard_pairs) for b in range(buckets)
-                                        if done(directory, f"dup.{b}") is None]))
+        dup_stats = [done(directory, f"dup.{b}") for b in range(buckets)]
+        for task, record in _tasks_and_results(pool, find_duplicates, [
+                DuplicateBucket(directory, b, buckets, shard_pairs) for b in range(buckets) if dup_stats[b] is None]):
+            dup_stats[task.bucket] = record
+        phases["duplicates"] = time.perf_counter() - t0 - sum(phases.values())
         starts = np.concatenate(([0], np.cumsum(shard_pairs, dtype=np.int64)))
         kept_stats = {i: record for i in range(n_shards) if (record := done(directory, f"{shard_name(i)}.kept"))}
         for task, record in _tasks_and_results(pool, drop_duplicates, [
                 DropDuplicates(directory, i, int(starts[i]), buckets) for i in range(n_shards) if i not in kept_stats]):
             kept_stats[task.index] = record
+        phases["drop"] = time.perf_counter() - t0 - sum(phases.values())
 
     stats = {"read": 0, "overlong": 0, "malformed": 0, "invalid_utf8": 0, "empty": 0, "duplicate": 0}
     for i, source in enumerate(plan.train):
@@ -285,7 +292,12 @@ def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
             for f, side in ((f_src, "src"), (f_tgt, "tgt")):
                 with open(directory / f"{shard_name(i)}.kept.{side}", "rb") as part:
                     shutil.copyfileobj(part, f, 1 << 20)
+    phases["concatenate"] = time.perf_counter() - t0 - sum(phases.values())
     stats["shards"] = [[kept_stats[i][k] for k in ("kept", "src_bytes", "tgt_bytes")] for i in range(n_shards)]
+    stats["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
+    stats["worker_seconds"] = {name: round(sum(r["seconds"] for r in records), 3) for name, records in
+                               (("clean", shard_stats.values()), ("duplicates", dup_stats),
+                                ("drop", kept_stats.values()))}
     dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
     drops = _counts({k: v for k, v in stats.items() if k in TRAIN_DROPS}) or "none dropped"
     plan.log(f"[prep] clean: {stats['read']} pairs read, {kept} kept ({drops}); "
@@ -378,6 +390,7 @@ def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict) 
         for task, record in _tasks_and_results(pool, encode_shard, tasks):
             shard_stats[task.index] = record
             bar.update(layout[task.index][0])
+    phases = {"encode": time.perf_counter() - t0}
     stats = {k: sum(shard_stats[i][k] for i in range(len(layout)))
              for k in ("too_short", "too_long", "ratio", "kept", "src_tokens", "tgt_tokens", "src_unk", "tgt_unk")}
     if stats["kept"] == 0:
@@ -388,6 +401,9 @@ def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict) 
         for i in range(len(layout)):
             w_src.append(IndexedDataset(directory / f"{shard_name(i)}.src"))
             w_tgt.append(IndexedDataset(directory / f"{shard_name(i)}.tgt"))
+    phases["merge"] = time.perf_counter() - t0 - phases["encode"]
+    stats["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
+    stats["worker_seconds"] = {"encode": round(sum(shard_stats[i]["seconds"] for i in range(len(layout))), 3)}
     dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
     total = clean_stats["kept"]
     plan.log(f"[prep] train: {stats['kept']} pairs binarized (dropped: too_short {stats['too_short']}, "

@@ -29,6 +29,7 @@ change of input or options never reuses a shard, and is removed when the step is
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import time
@@ -58,8 +59,11 @@ def _write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def finish(directory: Path, name: str, stats: dict, outputs: list[str]) -> dict:
-    """Record task ``name`` as done: its stats and the sizes of its output files."""
+def finish(directory: Path, name: str, stats: dict, outputs: list[str], started: float) -> dict:
+    """Record task ``name`` as done: its stats (with ``seconds``, the task's time since
+    ``started``, which the benchmark's projection to more workers adds up) and the sizes of its
+    output files."""
+    stats["seconds"] = round(time.perf_counter() - started, 4)
     sizes = {f: (directory / f).stat().st_size for f in outputs}
     _write(directory / f"{name}.json", json.dumps({"stats": stats, "sizes": sizes}).encode())
     return stats
@@ -102,6 +106,7 @@ class CleanShard:
 def clean_shard(task: CleanShard) -> dict:
     """Decode and normalise; drop invalid UTF-8 and empty pairs; write the rest and their digests.
     Returns the counts: ``pairs`` written, and the pairs dropped by name."""
+    started = time.perf_counter()
     name = shard_name(task.index)
     punct_src, punct_tgt = _punct(task.langs[0]), _punct(task.langs[1])
     raw = task.pairs if task.pairs is not None else task.source.read_shard(task.byte_range)
@@ -126,7 +131,7 @@ def clean_shard(task: CleanShard) -> dict:
     _write(d / f"{name}.src", _text(src_out))
     _write(d / f"{name}.tgt", _text(tgt_out))
     _write(d / f"{name}.digest", np.array(digests, dtype="<u8").tobytes())
-    return finish(d, name, stats, [f"{name}.src", f"{name}.tgt", f"{name}.digest"])
+    return finish(d, name, stats, [f"{name}.src", f"{name}.tgt", f"{name}.digest"], started)
 
 
 @dataclass
@@ -140,6 +145,7 @@ class DuplicateBucket:
 def find_duplicates(task: DuplicateBucket) -> dict:
     """The pairs of this bucket whose digest occurred earlier in the corpus -> dup.B, their
     global positions (int64, ascending)."""
+    started = time.perf_counter()
     name = f"dup.{task.bucket}"
     keys, positions, start = [], [], 0
     for index, n in enumerate(task.shard_pairs):
@@ -152,7 +158,7 @@ def find_duplicates(task: DuplicateBucket) -> dict:
     _, first = np.unique(keys, return_index=True)  # the first occurrence of each digest
     duplicates = np.delete(positions, first)
     _write(task.directory / name, duplicates.astype("<i8").tobytes())
-    return finish(task.directory, name, {"duplicates": int(duplicates.size)}, [name])
+    return finish(task.directory, name, {"duplicates": int(duplicates.size)}, [name], started)
 
 
 @dataclass
@@ -165,6 +171,7 @@ class DropDuplicates:
 
 def drop_duplicates(task: DropDuplicates) -> dict:
     """NNNNNN.{src,tgt} without the pairs that some dup.B lists -> NNNNNN.kept.{src,tgt}."""
+    started = time.perf_counter()
     name = shard_name(task.index)
     d = task.directory
     src = (d / f"{name}.src").read_bytes().split(b"\n")[:-1]
@@ -183,7 +190,7 @@ def drop_duplicates(task: DropDuplicates) -> dict:
     outputs = [f"{name}.kept.src", f"{name}.kept.tgt"]
     stats = {"kept": int(kept.size), "duplicate": int(len(src) - kept.size),
              "src_bytes": (d / outputs[0]).stat().st_size, "tgt_bytes": (d / outputs[1]).stat().st_size}
-    return finish(d, f"{name}.kept", stats, outputs)
+    return finish(d, f"{name}.kept", stats, outputs, started)
 
 
 # ---- train step --------------------------------------------------------------------------------
@@ -223,24 +230,20 @@ def encode_shard(task: EncodeShard) -> dict:
     from admin_ds.data.indexed import IndexedDatasetWriter
     from admin_ds.data.subword import UNK
 
+    started = time.perf_counter()
     name = shard_name(task.index)
     sp = _subword(task.spm_model)
     src = sp.encode(_read_range(task.clean_files[0], task.src_range))
     tgt = sp.encode(_read_range(task.clean_files[1], task.tgt_range))
-    stats = {"too_short": 0, "too_long": 0, "ratio": 0, "kept": 0}
-    keep_src, keep_tgt = [], []
-    for s, t in zip(src, tgt):
-        reason = length_filter(len(s), len(t), task.min_len, task.max_len, task.ratio)
-        if reason:
-            stats[reason] += 1
-        else:
-            keep_src.append(s)
-            keep_tgt.append(t)
-    stats["kept"] = len(keep_src)
+    reasons = length_filter(np.fromiter(map(len, src), np.int64, len(src)),
+                            np.fromiter(map(len, tgt), np.int64, len(tgt)), task.min_len, task.max_len, task.ratio)
+    stats = {name: int(np.count_nonzero(reasons == name)) for name in ("too_short", "too_long", "ratio")}
+    kept = np.flatnonzero(reasons == "")
+    stats["kept"] = int(kept.size)
     outputs = []
-    for side, seqs in (("src", keep_src), ("tgt", keep_tgt)):
+    for side, seqs in (("src", [src[i] for i in kept]), ("tgt", [tgt[i] for i in kept])):
         lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-        ids = np.fromiter((i for seq in seqs for i in seq), dtype=np.int64, count=int(lengths.sum()))
+        ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
         with IndexedDatasetWriter(task.directory / f"{name}.{side}", sp.vocab_size, sync=False) as w:
             w.add_batch(ids, lengths)
         stats[f"{side}_tokens"] = int(ids.size)
@@ -248,4 +251,4 @@ def encode_shard(task: EncodeShard) -> dict:
         outputs += [f"{name}.{side}.bin", f"{name}.{side}.idx"]
     if slow := float(os.environ.get(SLOW_ENV, "0") or 0):
         time.sleep(slow)
-    return finish(task.directory, name, stats, outputs)
+    return finish(task.directory, name, stats, outputs, started)

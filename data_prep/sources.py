@@ -101,6 +101,27 @@ def read_lines(path: Path, max_bytes: int, start: int = 0, stop: int | None = No
         raise PrepError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
+def read_range(path: Path, max_bytes: int, start: int, stop: int, whole_below: int = 1 << 26) -> list[bytes | None]:
+    """``read_lines(path, max_bytes, start, stop)`` as a list. A range smaller than
+    ``whole_below`` bytes is read in one call and split (a shard: ~5x faster than line by line);
+    a larger one, which only a huge line makes, is read line by line to bound memory."""
+    if stop - start >= whole_below:
+        return list(read_lines(path, max_bytes, start, stop))
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(stop - start)
+    except OSError as e:
+        raise PrepError(f"{path}: cannot read: {e.strerror or e}") from None
+    lines = data.split(b"\n")
+    if data.endswith(b"\n") or not data:
+        lines.pop()
+    if start == 0 and lines:
+        lines[0] = lines[0].removeprefix(_BOM)
+    return [None if len(line) > max_bytes else line
+            for line in (line.removesuffix(b"\r") for line in lines)]
+
+
 def is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == GZIP_MAGIC
@@ -216,8 +237,8 @@ class FilePairs:
         """The pairs of one range from :meth:`shards`; overlong ones are counted in ``dropped``."""
         (src_start, src_stop), (tgt_start, tgt_stop) = shard
         self.dropped = {"overlong": 0}
-        for s, t in zip(read_lines(self.src, self.max_line_bytes, src_start, src_stop),
-                        read_lines(self.tgt, self.max_line_bytes, tgt_start, tgt_stop)):
+        for s, t in zip(read_range(self.src, self.max_line_bytes, src_start, src_stop),
+                        read_range(self.tgt, self.max_line_bytes, tgt_start, tgt_stop)):
             if s is None or t is None:
                 self.dropped["overlong"] += 1
                 continue
@@ -266,7 +287,7 @@ class TsvPairs:
         return byte_ranges(line_starts(self.path, lines)[0], self.path.stat().st_size)
 
     def read_shard(self, shard: tuple) -> Iterator[tuple[bytes, bytes]]:
-        return self._pairs(read_lines(self.path, 2 * self.max_line_bytes + 1, *shard))
+        return self._pairs(read_range(self.path, 2 * self.max_line_bytes + 1, *shard))
 
     def __iter__(self) -> Iterator[tuple[bytes, bytes]]:
         return self._pairs(read_lines(self.path, 2 * self.max_line_bytes + 1))

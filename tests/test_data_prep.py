@@ -125,9 +125,9 @@ def test_sharded_deduplication_keeps_first_occurrences(tmp_path):
 
 
 def test_shards_of_a_file_read_like_the_whole_file(tmp_path):
-    """line_starts + read_lines over each byte range == read_lines over the file, with a BOM,
+    """line_starts + read_lines (or read_range) over each byte range == read_lines over the file, with a BOM,
     CRLF, overlong and empty lines, with and without a final newline."""
-    from data_prep.sources import byte_ranges, line_starts, read_lines
+    from data_prep.sources import byte_ranges, line_starts, read_lines, read_range
 
     rng = np.random.default_rng(1)
     path = tmp_path / "f"
@@ -142,6 +142,8 @@ def test_shards_of_a_file_read_like_the_whole_file(tmp_path):
         assert count == len(whole)
         ranges = byte_ranges(starts, len(data))
         assert [x for a, b in ranges for x in read_lines(path, 100, a, b)] == whole
+        assert [x for a, b in ranges for x in read_range(path, 100, a, b)] == whole
+        assert [x for a, b in ranges for x in read_range(path, 100, a, b, whole_below=50)] == whole
         assert all(b > a for a, b in ranges) or not data
 
 
@@ -156,10 +158,13 @@ def test_read_lines_edge_cases(tmp_path):
 
 
 def test_length_filter_is_clean_corpus_n():
-    assert length_filter(10, 15, 1, 250, 1.5) is None
+    assert length_filter(10, 15, 1, 250, 1.5) == ""
     assert length_filter(10, 16, 1, 250, 1.5) == "ratio"
     assert length_filter(0, 1, 1, 250, 1.5) == "too_short"
     assert length_filter(251, 250, 1, 250, 1.5) == "too_long"
+    assert length_filter(0, 400, 1, 250, 1.5) == "too_short"  # the first rule that applies names it
+    assert length_filter(np.array([10, 10, 0, 251, 0]), np.array([15, 16, 1, 250, 400]), 1, 250, 1.5).tolist() \
+        == ["", "ratio", "too_short", "too_long", "too_short"]
 
 
 # ---- the en-de run on newstest: training can read it -------------------------------------------
