@@ -1,10 +1,12 @@
 """The preparation steps, in order, each resumable (see :mod:`data_prep.steps`):
 
     clean     training pairs -> work/train.clean.{SRC,TGT}     decode, normalise, drop empty and
-                                                               duplicate pairs (parallel, ordered)
+                                                               duplicate pairs (sharded, ordered)
     subword   work/train.clean.* -> spm.model, spm.vocab       joint SentencePiece on a sample
     train     work/train.clean.* -> train.{SRC,TGT}.{bin,idx}  encode, length/ratio filter,
-                                                               binarize (parallel, ordered)
+                                                               binarize (sharded, ordered)
+
+The sharded steps' work is :mod:`data_prep.shards`; this module schedules it and concatenates.
     valid     dev pairs  -> valid.{SRC,TGT}.{bin,idx} + valid.{SRC,TGT} text (no filtering)
     test      test pairs -> test.{SRC,TGT}.{bin,idx}  + test.{SRC,TGT} text
     manifest  manifest.json: counts, checksums, filters, sources, options, command, versions
@@ -29,6 +31,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from admin_ds.data.binarize import MANIFEST, load_manifest, write_manifest
 from admin_ds.files import DirectoryLock, atomic_output
 from data_prep import PrepError
 from data_prep.clean import PunctNormalizer, decode_side, normalize
@@ -39,7 +42,6 @@ from data_prep.steps import StepLog, WorkerPool, chunked, make_key
 # Bump when a change to the code changes what a step writes: old step records then stop matching.
 # 2: the clean step's record lists its shards (the train step encodes the same shards).
 PREP_VERSION = 2
-MANIFEST = "manifest.json"  # == admin_ds.data.binarize.MANIFEST (not imported: it pulls in torch)
 # The training-pair filters, in the order they apply (clean step: 5, binarize step: 3).
 TRAIN_DROPS = ("overlong", "malformed", "invalid_utf8", "empty", "duplicate", "too_short", "too_long", "ratio")
 
@@ -170,8 +172,6 @@ def _step(steps: StepLog, name: str, inputs: dict, run: Callable[[str], dict], l
 def _complete(out: Path, request_key: str) -> bool:
     if not (out / MANIFEST).is_file():
         return False
-    from admin_ds.data.binarize import load_manifest
-
     try:
         return load_manifest(out, verify=True).get("prep_key") == request_key
     except (ValueError, FileNotFoundError, KeyError):
@@ -448,7 +448,6 @@ def write_data_manifest(plan: Plan, request_key: str, clean: dict, subword: dict
                         evals: dict) -> Path:
     """The manifest of admin_ds.data.binarize (what training reads: languages, subword model,
     splits, checksummed files), extended with what this preparation did."""
-    from admin_ds.data.binarize import write_manifest
     from admin_ds.data.subword import SubwordModel
 
     sp = SubwordModel(plan.out / "spm.model")
