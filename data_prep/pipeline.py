@@ -120,17 +120,18 @@ def _run_steps(plan: Plan, request_key: str, train_fp: list, eval_fp: dict, eval
     (plan.out / MANIFEST).unlink(missing_ok=True)
     plan.work.mkdir(exist_ok=True)
     steps = StepLog(plan.out, plan.work)
-    clean = _step(steps, "clean", {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
-                                   "train": train_fp, "max_line_bytes": plan.filters.max_line_bytes},
-                  lambda key: run_clean(plan, steps, key), log)
-    clean_digests = {k: v["sha256"] for k, v in clean["outputs"].items()}
-    subword = _step(steps, "subword", {"version": PREP_VERSION, "clean": clean_digests,
-                                       "options": asdict(plan.subword)},
-                    lambda key: run_subword(plan, steps, key), log)
-    spm_sha = subword["outputs"]["spm.model"]["sha256"]
-    train = _step(steps, "train", {"version": PREP_VERSION, "clean": clean_digests, "spm": spm_sha,
-                                   "filters": asdict(plan.filters)},
-                  lambda key: run_binarize_train(plan, steps, key, clean["stats"]), log)
+    with WorkerPool(plan.workers) as pool:  # one set of workers for both sharded steps
+        clean = _step(steps, "clean", {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
+                                       "train": train_fp, "max_line_bytes": plan.filters.max_line_bytes},
+                      lambda key: run_clean(plan, steps, key, pool), log)
+        clean_digests = {k: v["sha256"] for k, v in clean["outputs"].items()}
+        subword = _step(steps, "subword", {"version": PREP_VERSION, "clean": clean_digests,
+                                           "options": asdict(plan.subword)},
+                        lambda key: run_subword(plan, steps, key), log)
+        spm_sha = subword["outputs"]["spm.model"]["sha256"]
+        train = _step(steps, "train", {"version": PREP_VERSION, "clean": clean_digests, "spm": spm_sha,
+                                       "filters": asdict(plan.filters)},
+                      lambda key: run_binarize_train(plan, steps, key, clean["stats"], pool), log)
     evals = {split: _step(steps, split, {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
                                          "source": eval_fp[split], "spm": spm_sha},
                           lambda key, split=split: run_eval_split(plan, steps, key, split,
@@ -213,7 +214,7 @@ def _counts(d: dict) -> str:
 
 # ---- step: clean ------------------------------------------------------------------------------
 
-def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
+def run_clean(plan: Plan, steps: StepLog, key: str, pool: WorkerPool) -> dict:
     """Raw training pairs -> normalised, non-empty, deduplicated text, in input order
     (the phases are described in :mod:`data_prep.shards`)."""
     t0 = time.perf_counter()
@@ -242,8 +243,7 @@ def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
             if ranges[i] is None:
                 read_drops[i] = dict(source.dropped)
 
-    with WorkerPool(plan.workers) as pool, \
-            tqdm(unit=" pairs", desc="clean", disable=plan.quiet or None, mininterval=1) as bar:
+    with tqdm(unit=" pairs", desc="clean", disable=plan.quiet or None, mininterval=1) as bar:
         for task, record in _tasks_and_results(pool, clean_shard, clean_tasks()):
             shard_stats[task.index] = record
             bar.update(record["pairs"] + record["invalid_utf8"] + record["empty"]
@@ -364,7 +364,7 @@ def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
 
 # ---- step: binarize the training split --------------------------------------------------------
 
-def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict) -> dict:
+def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict, pool: WorkerPool) -> dict:
     """Encode the cleaned pairs shard by shard in worker processes, drop those outside the
     length and ratio limits, and concatenate the shards into train.{SRC,TGT}.{bin,idx}."""
     from admin_ds.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -384,9 +384,8 @@ def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict) 
                          (int(offsets[i, 1]), int(offsets[i + 1, 1])), str(plan.out / "spm.model"),
                          f.min_len, f.max_len, f.ratio)
              for i in range(len(layout)) if i not in shard_stats]
-    with WorkerPool(plan.workers) as pool, \
-            tqdm(total=clean_stats["kept"], unit=" pairs", desc="binarize", disable=plan.quiet or None,
-                 mininterval=1) as bar:
+    with tqdm(total=clean_stats["kept"], unit=" pairs", desc="binarize", disable=plan.quiet or None,
+              mininterval=1) as bar:
         for task, record in _tasks_and_results(pool, encode_shard, tasks):
             shard_stats[task.index] = record
             bar.update(layout[task.index][0])

@@ -82,8 +82,9 @@ class WorkerPool:
     most ``workers * in_flight_per_worker`` tasks are taken from the input ahead of the results:
     tasks that carry their data (raw pairs read by this process) keep memory bounded by the
     shard size, whatever the corpus size. Processes are started with "spawn" (no fork of a
-    process that holds threads), so functions must be importable module-level functions; one
-    pool serves every phase of a step, so each worker starts (imports) once.
+    process that holds threads), so functions must be importable module-level functions. One
+    pool serves every phase of every step, so each worker starts (imports) once; it is started
+    by the first ``map``, so a run whose steps are all done starts none.
     """
 
     def __init__(self, workers: int, in_flight_per_worker: int = 2):
@@ -91,8 +92,6 @@ class WorkerPool:
         self._pool = None
 
     def __enter__(self) -> "WorkerPool":
-        if self.workers > 1:
-            self._pool = mp.get_context("spawn").Pool(self.workers)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -104,9 +103,11 @@ class WorkerPool:
             self._pool.join()
 
     def map(self, func: Callable, tasks: Iterable) -> Iterator:
-        if self._pool is None:
+        if self.workers <= 1:
             yield from map(func, tasks)
             return
+        if self._pool is None:
+            self._pool = mp.get_context("spawn").Pool(self.workers)
         pending: deque = deque()
         for task in tasks:
             pending.append(self._pool.apply_async(func, (task,)))
