@@ -18,8 +18,8 @@ excluded from both (its sample is capped by --spm-sample-lines, set equal for x1
 costs the same memory in both).
 
 Projection. The step records hold each phase's wall time and the summed time of the worker tasks
-(data_prep/shards.py). From the largest one-worker run: per pair, the work that shards (worker
-seconds), the main process's serial work (indexing the input, concatenating the shards, merging
+(data_prep/shards.py), wall and CPU. From the largest one-worker run: per pair, the work that
+shards (the tasks' CPU seconds: robust to other jobs on the machine), the main process's serial work (indexing the input, concatenating the shards, merging
 the binarized shards) and the sha256 checksums of the outputs (timed here on the run's files);
 then T(w) = N * (serial + checksums + work / w) for N = --project-pairs (WMT14 En-Fr: 36M pairs
 after cleaning), assuming cores as fast as this one, no disk bottleneck, and pairs of the same
@@ -91,7 +91,8 @@ def run_prepare(raw: Path, out: Path, workers: int, vocab: int, sample_lines: in
     clean, train = (json.loads((out / "work" / f"{step}.done.json").read_text())["stats"] for step in ("clean", "train"))
     res.update(pairs=m["filters"]["train"]["read"], clean_s=m["seconds"]["clean"], train_s=m["seconds"]["train"],
                subword_s=m["seconds"]["subword"], phases={**clean["phase_seconds"], **train["phase_seconds"]},
-               worker_s={**clean["worker_seconds"], **train["worker_seconds"]}, shards=len(clean["shards"]),
+               worker_s={**clean["worker_seconds"], **train["worker_seconds"]},
+               worker_cpu_s={**clean["worker_cpu_seconds"], **train["worker_cpu_seconds"]}, shards=len(clean["shards"]),
                input_bytes=sum((raw / f"train.{lang}").stat().st_size for lang in ("en", "de")))
     res["lines_per_s"] = 2 * res["pairs"] / (res["clean_s"] + res["train_s"])
     res["checksum_s"] = checksum_seconds(out)
@@ -142,7 +143,7 @@ def projection(rows: list[dict], args) -> list[str]:
     """T(w) for --project-pairs pairs, from the per-pair costs of the largest one-worker run."""
     r = max((r for r in rows if r["workers"] == min(args.workers)), key=lambda r: r["pairs"])
     n = args.project_pairs
-    work = sum(r["worker_s"].values()) / r["pairs"]
+    work = sum(r["worker_cpu_s"].values()) / r["pairs"]
     serial = sum(r["phases"][k] for k in ("index", "concatenate", "merge")) / r["pairs"]
     checks = r["checksum_s"] / r["pairs"]
     shard_s = work * (r["pairs"] / r["shards"])
@@ -213,12 +214,14 @@ def main() -> None:
         lines.append(f"Peak RSS x{args.scale} / x1 with {w} worker(s): "
                      f"**{large['maxrss_mib'] / small['maxrss_mib']:.2f}** "
                      f"({large['maxrss_mib']:.0f} / {small['maxrss_mib']:.0f} MiB).  ")
-    lines += ["", "Where the time goes (seconds; phases are wall time, worker = summed task time):", "",
+    lines += ["", "Where the time goes (seconds; phases are wall time; worker = the tasks' summed CPU time, "
+              "with their summed wall time in brackets: more wall than CPU means the workers waited for a core):", "",
               "| corpus | workers | " + " | ".join(PHASES) + " | worker: " + " | worker: ".join(WORKER) + " | checksums |",
               "|---|---:|" + "---:|" * (len(PHASES) + len(WORKER) + 1)]
     for r in rows:
         lines.append(f"| x{r['scale']} | {r['workers']} | " + " | ".join(f"{r['phases'][k]:.2f}" for k in PHASES)
-                     + " | " + " | ".join(f"{r['worker_s'][k]:.2f}" for k in WORKER) + f" | {r['checksum_s']:.2f} |")
+                     + " | " + " | ".join(f"{r['worker_cpu_s'][k]:.2f} ({r['worker_s'][k]:.2f})" for k in WORKER)
+                     + f" | {r['checksum_s']:.2f} |")
     lines += ["", *projection(rows, args)]
     lines += ["",
               "How to read it: the baseline only encodes; the pipeline also reads, decodes, normalises "

@@ -295,9 +295,10 @@ def run_clean(plan: Plan, steps: StepLog, key: str, pool: WorkerPool) -> dict:
     phases["concatenate"] = time.perf_counter() - t0 - sum(phases.values())
     stats["shards"] = [[kept_stats[i][k] for k in ("kept", "src_bytes", "tgt_bytes")] for i in range(n_shards)]
     stats["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
-    stats["worker_seconds"] = {name: round(sum(r["seconds"] for r in records), 3) for name, records in
-                               (("clean", shard_stats.values()), ("duplicates", dup_stats),
-                                ("drop", kept_stats.values()))}
+    stats["worker_seconds"], stats["worker_cpu_seconds"] = ({
+        name: round(sum(r[field] for r in records), 3)
+        for name, records in (("clean", shard_stats.values()), ("duplicates", dup_stats), ("drop", kept_stats.values()))}
+        for field in ("seconds", "cpu_seconds"))
     dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
     drops = _counts({k: v for k, v in stats.items() if k in TRAIN_DROPS}) or "none dropped"
     plan.log(f"[prep] clean: {stats['read']} pairs read, {kept} kept ({drops}); "
@@ -402,7 +403,8 @@ def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict, 
             w_tgt.append(IndexedDataset(directory / f"{shard_name(i)}.tgt"))
     phases["merge"] = time.perf_counter() - t0 - phases["encode"]
     stats["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
-    stats["worker_seconds"] = {"encode": round(sum(shard_stats[i]["seconds"] for i in range(len(layout))), 3)}
+    stats["worker_seconds"], stats["worker_cpu_seconds"] = (
+        {"encode": round(sum(shard_stats[i][field] for i in range(len(layout))), 3)} for field in ("seconds", "cpu_seconds"))
     dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
     total = clean_stats["kept"]
     plan.log(f"[prep] train: {stats['kept']} pairs binarized (dropped: too_short {stats['too_short']}, "

@@ -53,17 +53,22 @@ def shard_name(index: int) -> str:
 
 # ---- completion records ------------------------------------------------------------------------
 
+def clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
 def _write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
-def finish(directory: Path, name: str, stats: dict, outputs: list[str], started: float) -> dict:
-    """Record task ``name`` as done: its stats (with ``seconds``, the task's time since
-    ``started``, which the benchmark's projection to more workers adds up) and the sizes of its
-    output files."""
-    stats["seconds"] = round(time.perf_counter() - started, 4)
+def finish(directory: Path, name: str, stats: dict, outputs: list[str], started: tuple[float, float]) -> dict:
+    """Record task ``name`` as done: its stats (with ``seconds`` and ``cpu_seconds``, the task's
+    wall and CPU time since ``started`` = ``clock()``, which the benchmark adds up) and the sizes
+    of its output files."""
+    stats["seconds"] = round(time.perf_counter() - started[0], 4)
+    stats["cpu_seconds"] = round(time.process_time() - started[1], 4)
     sizes = {f: (directory / f).stat().st_size for f in outputs}
     _write(directory / f"{name}.json", json.dumps({"stats": stats, "sizes": sizes}).encode())
     return stats
@@ -106,7 +111,7 @@ class CleanShard:
 def clean_shard(task: CleanShard) -> dict:
     """Decode and normalise; drop invalid UTF-8 and empty pairs; write the rest and their digests.
     Returns the counts: ``pairs`` written, and the pairs dropped by name."""
-    started = time.perf_counter()
+    started = clock()
     name = shard_name(task.index)
     punct_src, punct_tgt = _punct(task.langs[0]), _punct(task.langs[1])
     raw = task.pairs if task.pairs is not None else task.source.read_shard(task.byte_range)
@@ -145,7 +150,7 @@ class DuplicateBucket:
 def find_duplicates(task: DuplicateBucket) -> dict:
     """The pairs of this bucket whose digest occurred earlier in the corpus -> dup.B, their
     global positions (int64, ascending)."""
-    started = time.perf_counter()
+    started = clock()
     name = f"dup.{task.bucket}"
     keys, positions, start = [], [], 0
     for index, n in enumerate(task.shard_pairs):
@@ -171,7 +176,7 @@ class DropDuplicates:
 
 def drop_duplicates(task: DropDuplicates) -> dict:
     """NNNNNN.{src,tgt} without the pairs that some dup.B lists -> NNNNNN.kept.{src,tgt}."""
-    started = time.perf_counter()
+    started = clock()
     name = shard_name(task.index)
     d = task.directory
     src = (d / f"{name}.src").read_bytes().split(b"\n")[:-1]
@@ -230,7 +235,7 @@ def encode_shard(task: EncodeShard) -> dict:
     from admin_ds.data.indexed import IndexedDatasetWriter
     from admin_ds.data.subword import UNK
 
-    started = time.perf_counter()
+    started = clock()
     name = shard_name(task.index)
     sp = _subword(task.spm_model)
     src = sp.encode(_read_range(task.clean_files[0], task.src_range))
