@@ -116,7 +116,9 @@ class PunctNormalizer:
       earlier rule's replacement cannot match;
     - a remaining rule runs only when the line holds the longest literal substring every match
       needs (``" :"``, ``"''"``, ...); for the three ``" +" -> " "`` rules that is a run of two
-      spaces, since they are the identity otherwise.
+      spaces, since they are the identity otherwise;
+    - a line with no key character and no two spaces in a row (most lines) is returned at once:
+      every rule needs one or the other, and the first rule to change a line needs it there.
 
     The equivalence is checked against sacremoses on real text in tests/test_data_prep.py.
     """
@@ -146,6 +148,8 @@ class PunctNormalizer:
         return rules
 
     def __call__(self, text: str) -> str:
+        if "  " not in text and not self._key_chars.search(text):
+            return text.strip()  # most lines: no rule can change them (see above)
         present = frozenset(self._key_chars.findall(text))
         rules = self._rules_for.get(present)
         if rules is None:
