@@ -7,8 +7,18 @@ Every multi-rank command (training, translation, back-translation) joins and lea
 
 Joining covers every launcher: env:// from ``deepspeed`` / ``torchrun`` (RANK, WORLD_SIZE, ...),
 our mapping of Slurm's variables (DeepSpeed reads none of them), and mpi4py discovery under a plain
-``mpirun`` (DeepSpeed's ``init_distributed``). A rank that cannot reach the master gives up after
-``connect_timeout_s`` with the address and port instead of hanging in the rendezvous.
+``mpirun`` (DeepSpeed's ``mpi_discovery``, called here so that the master address is known before
+the group is made). A rank that cannot reach the master gives up after ``connect_timeout_s`` with
+the address and port instead of hanging in the rendezvous.
+
+The interface. gloo binds each rank to the address its host name resolves to, unless
+GLOO_SOCKET_IFNAME names an interface. On hosts whose /etc/hosts maps the host name to 127.0.1.1
+(Debian and Ubuntu do), that is loopback: one host works, two hosts cannot connect. So, unless the
+user set it, GLOO_SOCKET_IFNAME becomes the interface holding the address this host uses to reach
+the master (a route lookup; nothing is sent); on the master's own host, where that can be loopback
+while the job spans several nodes, the first interface that is up with an IPv4 address. NCCL picks
+its own interface (it skips loopback); NCCL_SOCKET_IFNAME is left to the user. ``world_layout``
+reports every rank's host, local rank, interface and address, and the loop prints them.
 
 Leaving. A gloo process group runs its collectives on C++ worker threads (``pt_gloo_runloop``).
 A worker that releases the last reference to a tensor Python also knew must take the GIL; if the
@@ -40,6 +50,8 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from admin_ds.errors import ConfigError
 
 
 # ------------------------------------------------------------------------------------------------
@@ -100,6 +112,68 @@ def _wait_for_master(timeout_s: float) -> None:
                           "and that the port is open between the nodes (engine.connect_timeout_s)")
 
 
+def _spans_nodes() -> bool:
+    """Do the launcher's variables say that the job spans several nodes? (Known before the group
+    exists; a launcher that says nothing counts as one node.)"""
+    env = os.environ
+    if "SLURM_PROCID" in env:
+        return int(env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1"))) > 1
+    if "CROSS_SIZE" in env:  # deepspeed's per-node launcher: the number of nodes
+        return int(env["CROSS_SIZE"]) > 1
+    for local, world in (("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"), ("LOCAL_WORLD_SIZE", "WORLD_SIZE")):
+        if local in env and world in env:
+            return int(env[local]) < int(env[world])
+    return False
+
+
+def _local_address_towards(host: str) -> Optional[str]:
+    """The local IPv4 address the kernel would use to reach ``host``. A UDP ``connect`` only looks
+    the route up; no packet is sent."""
+    try:
+        ip = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _ipv4_interfaces() -> dict[str, str]:
+    """Interfaces that are up, with their first IPv4 address, in the kernel's order."""
+    import psutil  # a DeepSpeed dependency
+
+    up = {name for name, st in psutil.net_if_stats().items() if st.isup}
+    return {name: next(a.address for a in addrs if a.family == socket.AF_INET)
+            for name, addrs in psutil.net_if_addrs().items()
+            if name in up and any(a.family == socket.AF_INET for a in addrs)}
+
+
+def _choose_interface(device_type: str) -> None:
+    """Record (and for gloo, set) the interface this rank's collectives use (module docstring)."""
+    var = "GLOO_SOCKET_IFNAME" if device_type == "cpu" else "NCCL_SOCKET_IFNAME"
+    interfaces = _ipv4_interfaces()
+    if os.environ.get(var):
+        name = os.environ[var].split(",")[0]
+        _SOCKET.update(interface=name, address=interfaces.get(name), chosen_by=var)
+        return
+    address = _local_address_towards(os.environ["MASTER_ADDR"])
+    name = next((n for n, a in interfaces.items() if a == address), None)
+    chosen_by = "route to the master"
+    if (address is None or address.startswith("127.")) and _spans_nodes():
+        # The master's own host can resolve its name to loopback; the others must reach us.
+        name, address = next(((n, a) for n, a in interfaces.items() if not a.startswith("127.")), (None, None))
+        chosen_by = "first interface that is up (the master's name is loopback here)"
+    if device_type != "cpu":
+        _SOCKET.update(interface=None, address=address, chosen_by=f"NCCL's choice ({var} unset)")
+        return
+    if name is not None:
+        os.environ[var] = name
+    _SOCKET.update(interface=name, address=address, chosen_by=chosen_by if name else "gloo's default")
+
+
+_SOCKET: dict = {"interface": None, "address": None, "chosen_by": None}  # this rank's choice, reported by world_layout
+
+
 def launched() -> bool:
     """Was this process started as one rank of several (a launcher's or Slurm's variables)?"""
     env = os.environ
@@ -139,8 +213,12 @@ def init(device_type: str = "cpu", port: int = 29500, timeout_s: float = 600,
     env = os.environ
     if "RANK" not in env and "SLURM_PROCID" in env and "OMPI_COMM_WORLD_SIZE" not in env:
         _env_from_slurm(port)
-    if "RANK" in env and int(env["RANK"]) > 0 and "MASTER_ADDR" in env:
-        _wait_for_master(connect_timeout_s)
+    if "RANK" not in env and "OMPI_COMM_WORLD_SIZE" in env:
+        # DeepSpeed would run this inside init_distributed; here, so the interface can be chosen
+        # before the group exists. It sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+        from deepspeed.comm.comm import mpi_discovery
+
+        mpi_discovery(distributed_port=port, verbose=False)
     if not launched() and "RANK" not in env:
         # A plain `python launch/train.py`: a world of one on a free local port. (DeepSpeed would
         # otherwise run MPI discovery, which pins the port to distributed_port, so two standalone
@@ -151,6 +229,10 @@ def init(device_type: str = "cpu", port: int = 29500, timeout_s: float = 600,
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=env.get("MASTER_PORT", str(free)))
     env.setdefault("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    if "MASTER_ADDR" in env:
+        _choose_interface(device_type)
+    if int(env["RANK"]) > 0 and "MASTER_ADDR" in env:
+        _wait_for_master(connect_timeout_s)
     if device_type == "cuda":
         torch.cuda.set_device(int(env["LOCAL_RANK"]))
     deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl", distributed_port=port,
@@ -219,16 +301,57 @@ def world_size() -> int:
 
 
 def world_layout() -> dict:
-    """Nodes and ranks per node, from every rank's host name (collective)."""
-    host = socket.gethostname()
-    hosts = [host]
+    """Every rank's host, local rank, interface and address; nodes and ranks per node, in rank
+    order of first appearance (collective)."""
+    mine = {"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", 0)), **_SOCKET}
+    ranks = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        hosts = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, host)
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
     per_node: dict[str, int] = {}
-    for h in hosts:
-        per_node[h] = per_node.get(h, 0) + 1
-    return {"world_size": len(hosts), "nodes": len(per_node), "ranks_per_node": per_node}
+    for r in ranks:
+        per_node[r["host"]] = per_node.get(r["host"], 0) + 1
+    return {"world_size": len(ranks), "nodes": len(per_node), "ranks_per_node": per_node, "ranks": ranks}
+
+
+def describe_ranks(ranks: list[dict]) -> list[str]:
+    """One line per node: its ranks, their local ranks, the interface and address they talk over.
+    Two ranks of one node with the same local rank would share a GPU: refused."""
+    lines = []
+    for host in dict.fromkeys(r["host"] for r in ranks):
+        mine = [(i, r) for i, r in enumerate(ranks) if r["host"] == host]
+        local = [r["local_rank"] for _, r in mine]
+        if len(set(local)) != len(local):
+            raise ConfigError(f"ranks {', '.join(str(i) for i, _ in mine)} on {host} have the local ranks {local}: "
+                              "each rank of a node needs its own; check the launcher's LOCAL_RANK / SLURM_LOCALID")
+        nets = sorted({f"{r['interface'] or '?'} {r['address'] or '?'} ({r['chosen_by']})" for _, r in mine})
+        lines.append(f"{host}: rank(s) {', '.join(str(i) for i, _ in mine)}, local rank(s) "
+                     f"{', '.join(map(str, local))}; interface {'; '.join(nets)}")
+    return lines
+
+
+def pin_to_cores() -> list[int]:
+    """Bind this rank to its own share of its node's CPU cores and return them (collective).
+
+    Ranks on one node that all start with the same cores (torchrun, the deepspeed launcher) split
+    them into contiguous, disjoint blocks in local-rank order: unpinned, every rank's intra-op
+    threads roam over all cores, and two ranks' OpenMP teams then preempt each other's
+    spin-waiting threads, which costs more than the second rank gains. Ranks a launcher already
+    bound to different cores (mpirun --bind-to) keep them. With more ranks than cores, ranks
+    share cores round-robin."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = (socket.gethostname(), cores)
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    local = [c for h, c in everyone if h == mine[0]]
+    if any(c != cores for c in local):
+        return cores
+    i, n = [r for r, (h, _) in enumerate(everyone) if h == mine[0]].index(rank()), len(local)
+    share = [cores[i % len(cores)]] if n > len(cores) else cores[len(cores) * i // n:len(cores) * (i + 1) // n]
+    os.sched_setaffinity(0, share)
+    return share
 
 
 def barrier() -> None:
@@ -237,9 +360,15 @@ def barrier() -> None:
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL."""
+    """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL.
+    NCCL reduces GPU tensors only: a CPU tensor (token counts, loss sums) goes through the GPU."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            on_gpu = t.to(torch.cuda.current_device())
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM, group=group)
+            t.copy_(on_gpu)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

@@ -1,23 +1,29 @@
-"""Decoding speed on CPU: admin_ds.inference.decode vs transformers' generate vs CTranslate2, same weights.
+"""Decoding speed on CPU: admin_ds.inference.decode vs CTranslate2 (and optionally transformers'
+generate), same weights, fp32 and int8, at several batch sizes.
 
-    python bench/decode.py --threads 2 1 --repeats 5 --profile     # writes bench/decode_results.md
-    python bench/decode.py --batch 32 --length 48 --out /tmp/decode.md
+    python bench/decode.py --batches 1 16 64 --threads 2 --precisions fp32 int8 --repeats 5 --profile
+    python bench/decode.py --model runs/de-en --src ../shared/data/wmt14/en-de/newstest2014.de --length 0
+    python bench/decode.py --batches 16 --length 32 --transformers --plain --out /tmp/decode.md
 
-The model is a randomly initialised base-6L-6L (Transformer-base, 512/2048/8 heads, 6+6 layers) over
-a joint SentencePiece vocabulary of --vocab pieces trained on the fly on WMT newstest2013/2014
-en+de (../shared/data/wmt14/en-de beside the repository; the benchmark skips when it is absent).
-Sources are the first --batch sentences of newstest2014.en. The model goes through
-launch/export.py's path (folded, exported to a MarianMTModel directory, converted to CTranslate2
-float32), so the three decoders run the same weights.
+The model is --model (a run directory or model file: real output lengths, --length 0) or, by
+default, a randomly initialised base-6L-6L (Transformer-base, 512/2048/8 heads, 6+6 layers) over a
+joint SentencePiece vocabulary of --vocab pieces trained on the fly on WMT newstest2013/2014 en+de
+(../shared/data/wmt14/en-de beside the repository; the benchmark skips when it is absent). Sources
+are the first --batch sentences of --src (newstest2014.en). The model goes through launch/export.py's
+path (folded, exported to a MarianMTModel directory, converted to CTranslate2), so the decoders run
+the same weights; int8 is ours (translate.py --int8) against CTranslate2's compute_type int8, both
+quantizing the same float32 weights at load.
 
-Every decoder is forced to the same work: exactly --length tokens plus EOS per sentence (ours:
+--length L > 0 forces every decoder to the same work: exactly L tokens plus EOS per sentence (ours:
 min_len = max_len_b = L with EOS forced at step L; transformers: min_new_tokens = max_new_tokens =
-L + 1 with forced_eos_token_id; CTranslate2: min_decoding_length = max_decoding_length = L + 1),
-i.e. L + 1 decoder steps over the whole batch (random weights would otherwise end hypotheses at
-arbitrary lengths). Throughput = batch x (L + 1) target tokens / wall time; best of --repeats
-interleaved rounds after one warm-up each. CPU, the same intra-op thread count for all three
-(torch.set_num_threads; CTranslate2 intra_threads, inter_threads=1), for each of --threads.
---profile adds a torch.profiler breakdown of beam search (ours and transformers').
+L + 1; CTranslate2: min_decoding_length = max_decoding_length = L + 1): random weights would
+otherwise end hypotheses at arbitrary lengths. --length 0: every decoder stops at EOS or at
+--max-len tokens (a trained --model). Throughput: sentences/s and target tokens/s (each decoder's own
+output tokens, EOS included); best of --repeats interleaved rounds after one warm-up. CPU, the same
+intra-op thread count for all (torch.set_num_threads; CTranslate2 intra_threads, inter_threads=1),
+for each of --threads. The report records the CPU's instruction-set flags: the ratio to CTranslate2
+moves with them (its backend: MKL/oneDNN on Intel, others elsewhere). --profile adds a
+torch.profiler breakdown of our beam search.
 """
 
 from __future__ import annotations
@@ -34,107 +40,141 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data/wmt14/en-de"
+# The instruction-set extensions that decide which kernels either library runs.
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="run directory or model file (default: a random --preset)")
+    p.add_argument("--src", type=Path, default=DATA / "newstest2014.en", help="source sentences, one per line")
     p.add_argument("--preset", default="base-6L-6L")
     p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--batch", type=int, default=16, help="sentences per batch")
-    p.add_argument("--length", type=int, default=32, help="target tokens per sentence (plus EOS)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="sentences per batch")
+    p.add_argument("--length", type=int, default=32, help="target tokens per sentence (plus EOS); 0: up to EOS")
+    p.add_argument("--max-len", type=int, default=128, help="--length 0: the most tokens per sentence")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--threads", type=int, nargs="+", default=[2], help="intra-op thread counts to measure")
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "int8"), default=["fp32", "int8"])
+    p.add_argument("--transformers", action="store_true", help="also transformers' generate (fp32)")
+    p.add_argument("--plain", action="store_true", help="also ours with F.linear (translate.py --plain-linear)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of beam search (ours, HF)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
     return p.parse_args(argv)
 
 
 def hardware() -> str:
     model = platform.processor() or "unknown CPU"
+    flags: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and model == (platform.processor() or "unknown CPU"):
                 model = line.split(":", 1)[1].strip()
-                break
+            if line.startswith("flags") and not flags:
+                flags = line.split(":", 1)[1].split()
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} logical CPUs visible, {platform.system()} {platform.release()}"
+    have = " ".join(f for f in _FLAGS if f in flags) or "none of " + " ".join(_FLAGS)
+    return (f"{model}, {os.cpu_count()} logical CPUs visible, {platform.system()} {platform.release()}; "
+            f"flags: {have}")
 
 
 def build(args, tmp: Path):
-    """(our model as translate.py prepares it, the same without packed weights, subword model, src
-    batch, Marian dir, CTranslate2 dir), all with the same weights."""
+    """(ModelFile, src lines) with the model exported to tmp/hf and tmp/ct2 (float32)."""
     import torch
 
-    from admin_ds.data.subword import train_subword_model
     from admin_ds.inference import export
-    from admin_ds.inference.model_file import ModelFile, build_from_model_file
-    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.model_file import ModelFile, load_any
     from admin_ds.model import build_model
-    from admin_ds.model.config import ModelConfig
     from admin_ds.model.presets import get_preset
 
-    files = [DATA / f"newstest{y}.{lang}" for y in (2013, 2014) for lang in ("en", "de")]
-    spm = train_subword_model(files, tmp / "spm", vocab_size=args.vocab, seed=1, num_threads=2)
-    torch.manual_seed(1)
-    cfg: ModelConfig = get_preset(args.preset, vocab_size=args.vocab, dropout_p=0.0, attention_dropout_p=0.0,
-                                  activation_dropout_p=0.0)
-    mf = ModelFile(cfg, build_model(cfg).state_dict(), None, None, spm.read_bytes(), {"source": "bench"})
+    if args.model is not None:
+        mf = load_any(args.model)
+    else:
+        from admin_ds.data.subword import train_subword_model
+
+        files = [DATA / f"newstest{y}.{lang}" for y in (2013, 2014) for lang in ("en", "de")]
+        spm = train_subword_model(files, tmp / "spm", vocab_size=args.vocab, seed=1, num_threads=2)
+        torch.manual_seed(1)
+        cfg = get_preset(args.preset, vocab_size=args.vocab, dropout_p=0.0, attention_dropout_p=0.0,
+                         activation_dropout_p=0.0)
+        mf = ModelFile(cfg, build_model(cfg).state_dict(), None, None, spm.read_bytes(), {"source": "bench"})
     export.export_hf_marian(mf, tmp / "hf")
     export.convert_ct2(tmp / "hf", tmp / "ct2")
-    model, subword = build_from_model_file(mf)
-    plain, _ = build_from_model_file(mf)  # the same weights, decoded with F.linear
+    lines = [l for l in args.src.read_text(encoding="utf-8").splitlines() if l.strip()]
+    return mf, lines
 
-    lines = (DATA / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:args.batch]
-    ids = [x + [cfg.eos_idx] for x in subword.encode(lines)]
+
+def models(mf, precision: str, plain: bool):
+    """{name: model} decoding as translate.py does in ``precision`` (and the F.linear model)."""
+    from admin_ds.inference.model_file import build_from_model_file
+    from admin_ds.inference.packed import optimize_for_decoding
+
+    out = {"admin_ds": optimize_for_decoding(build_from_model_file(mf)[0], precision)}
+    if plain and precision == "fp32":
+        out["admin_ds_plain"] = build_from_model_file(mf)[0].eval()
+    return out
+
+
+def source_batch(subword, cfg, lines: list[str]):
+    import torch
+
+    ids = [x[:cfg.max_positions - 1] + [cfg.eos_idx] for x in subword.encode(lines)]
     src = torch.full((len(ids), max(map(len, ids))), cfg.pad_idx, dtype=torch.long)
     for i, x in enumerate(ids):
         src[i, :len(x)] = torch.tensor(x)
-    return optimize_for_decoding(model), plain.eval(), subword, src, tmp / "hf", tmp / "ct2"
+    return src
 
 
-def decoders(args, threads, model, plain, subword, src, hf_dir, ct2_dir):
+def decoders(args, threads: int, precision: str, ours: dict, subword, src, hf_dir: Path, ct2_dir: Path):
     """{(engine, beam): run() -> output token ids per sentence (the final EOS included)}."""
     import ctranslate2
     import torch
-    from transformers import MarianMTModel
 
     from admin_ds.inference.decode import beam_search, greedy
 
-    L, K = args.length, args.beam
-    hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
-    ct2 = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", inter_threads=1,
+    cfg = next(iter(ours.values())).cfg
+    eos, pad, K = cfg.eos_idx, cfg.pad_idx, args.beam
+    forced = args.length > 0
+    L = args.length if forced else args.max_len
+    limits = dict(max_len_a=0, max_len_b=L, min_len=L if forced else 1)
+    ct2 = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type={"fp32": "float32"}.get(precision, precision), inter_threads=1,
                                  intra_threads=threads)
-    pieces = [[subword.piece(i) for i in row if i != model.cfg.pad_idx] for row in src.tolist()]
-    mask = src.ne(model.cfg.pad_idx)
+    pieces = [[subword.piece(i) for i in row if i != pad] for row in src.tolist()]
 
-    eos, pad = model.cfg.eos_idx, model.cfg.pad_idx
-
-    def ours(m, beam):
+    def admin_ds(m, beam):
         if beam == 1:
-            return [h + [eos] for h in greedy(m, src, max_len_a=0, max_len_b=L, min_len=L)]
-        return [h[0].tokens + [eos] for h in beam_search(m, src, beam=beam, max_len_a=0, max_len_b=L, min_len=L)]
-
-    def transformers_(beam):
-        with torch.inference_mode():
-            out = hf.generate(input_ids=src, attention_mask=mask, num_beams=beam, do_sample=False,
-                              min_new_tokens=L + 1, max_new_tokens=L + 1)
-        return [[t for t in row[1:] if t != pad] for row in out.tolist()]  # minus the start token
+            return [h + [eos] for h in greedy(m, src, **limits)]
+        return [h[0].tokens + [eos] for h in beam_search(m, src, beam=beam, **limits)]
 
     def ctranslate2_(beam):
-        res = ct2.translate_batch(pieces, beam_size=beam, min_decoding_length=L + 1,
-                                  max_decoding_length=L + 1, return_end_token=True)
+        res = ct2.translate_batch(pieces, beam_size=beam, min_decoding_length=L + 1 if forced else 0,
+                                  max_decoding_length=L + 1, return_end_token=True, max_batch_size=0)
         return [[subword.id_of(p) for p in r.hypotheses[0]] for r in res]
 
-    engines = (("admin_ds", lambda beam: ours(model, beam)), ("admin_ds_plain", lambda beam: ours(plain, beam)),
-               ("transformers", transformers_), ("ctranslate2", ctranslate2_))
+    engines = [(name, lambda beam, m=m: admin_ds(m, beam)) for name, m in ours.items()]
+    engines.append(("ctranslate2", ctranslate2_))
+    if args.transformers and precision == "fp32":
+        from transformers import MarianMTModel
+
+        hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
+        mask = src.ne(pad)
+
+        def transformers_(beam):
+            with torch.inference_mode():
+                out = hf.generate(input_ids=src, attention_mask=mask, num_beams=beam, do_sample=False,
+                                  min_new_tokens=L + 1 if forced else 0, max_new_tokens=L + 1)
+            return [[t for t in row[1:] if t != pad] for row in out.tolist()]  # minus the start token
+
+        engines.append(("transformers", transformers_))
     return {(name, beam): (lambda fn=fn, beam=beam: fn(beam)) for name, fn in engines for beam in (1, K)}
 
 
 # torch.profiler operator names -> what they are in a decoder step
 _CATEGORIES = [
-    ("matrix products (Linear, output projection)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise")),
+    ("matrix products (Linear, output projection)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
+                                                     "quantized::linear_dynamic")),
     ("attention products (queries against cached keys and values)", ("aten::bmm",)),
     ("attention kernel (fused; softmax)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_softmax",
                                           "aten::baddbmm")),
@@ -145,30 +185,37 @@ _CATEGORIES = [
 ]
 
 
-def profile_search(fn) -> tuple[str, dict]:
-    """(top-operator table, {category: share of self CPU time}) of one call of ``fn``."""
+def profile_search(fn) -> tuple[str, dict, float]:
+    """(top-operator table, {category: share of wall time}, wall seconds) of one call of ``fn``.
+    The operators' self CPU time over the wall time; what is left is Python and dispatch between
+    operators (and, with several threads, the time operators run in parallel counts once)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
         fn()
+        wall = time.perf_counter() - t0
     events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
+    total = wall * 1e6
     shares = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / total
               for name, prefixes in _CATEGORIES}
-    shares["everything else (elementwise ops, views, Python and dispatch)"] = 1.0 - sum(shares.values())
-    return events.table(sort_by="self_cpu_time_total", row_limit=12), shares
+    ops = sum(e.self_cpu_time_total for e in events) / total
+    shares["other operators (elementwise, views, LayerNorm-free glue)"] = ops - sum(shares.values())
+    shares["between operators (Python, dispatch)"] = 1.0 - ops
+    return events.table(sort_by="self_cpu_time_total", row_limit=12), shares, wall
 
 
-def measure(args, runs, src) -> tuple[dict, dict]:
+def measure(args, runs) -> tuple[dict, dict]:
     """({(engine, beam): [seconds per round]}, {(engine, beam): outputs}): a warm-up (which checks
     the forced length), then --repeats rounds, interleaved so that a busy moment of the machine hits
     every decoder alike."""
     outputs = {}
     for key, run in runs.items():
         outputs[key] = run()
-        steps = [len(h) for h in outputs[key]]
-        if steps != [args.length + 1] * src.size(0):
-            raise RuntimeError(f"{key}: decoder steps {steps}, expected {args.length + 1} each")
+        if args.length > 0:
+            steps = [len(h) for h in outputs[key]]
+            if set(steps) != {args.length + 1}:
+                raise RuntimeError(f"{key}: decoder steps {steps}, expected {args.length + 1} each")
     times = {key: [] for key in runs}
     for _ in range(args.repeats):
         for key, run in runs.items():
@@ -178,103 +225,96 @@ def measure(args, runs, src) -> tuple[dict, dict]:
     return times, outputs
 
 
-ENGINES = ("admin_ds", "admin_ds_plain", "transformers", "ctranslate2")
-
-
-def table(args, times: dict, tokens: int, threads: int) -> list[str]:
+def rows_for(args, label: str, times: dict, outputs: dict, n: int) -> list[str]:
+    """One table row per search: sentences/s and tokens/s of every engine, ours / CTranslate2, and
+    how many sentences each other engine outputs exactly as ours does (first L tokens when forced:
+    CTranslate2 stops at L + 1 tokens without forcing the last to be EOS)."""
     rows = []
+    engines = sorted({e for e, _ in times}, key=lambda e: (e != "admin_ds", e))
     for beam in (1, args.beam):
-        ours, plain, hf, ct2 = (tokens / min(times[(e, beam)]) for e in ENGINES)
-        medians = " / ".join(f"{statistics.median(times[(e, beam)]):.2f}" for e in ENGINES)
-        rows.append(f"| {threads} | {'greedy' if beam == 1 else f'beam {beam}'} | {ours:,.0f} | {plain:,.0f} | "
-                    f"{hf:,.0f} | {ct2:,.0f} | **{ours / hf:.2f}x** | {ours / ct2:.2f}x | {plain / hf:.2f}x | "
-                    f"{medians} |")
-    return rows
-
-
-def agreement(args, outputs: dict) -> list[str]:
-    """How many sentences each decoder outputs exactly as admin_ds does, over the forced L tokens
-    (same weights; float32 rounding in another summation order may flip a near-tie of the random
-    model)."""
-    rows = []
-    for beam in (1, args.beam):
+        cells = []
+        for e in engines:
+            best = min(times[(e, beam)])
+            toks = sum(map(len, outputs[(e, beam)]))
+            cells.append(f"{e} {n / best:,.1f} sent/s, {toks / best:,.0f} tok/s")
+        ours, ct2 = min(times[("admin_ds", beam)]), min(times[("ctranslate2", beam)])
+        cut = args.length if args.length > 0 else None
         ref = outputs[("admin_ds", beam)]
-        # The first L tokens: CTranslate2 stops at L + 1 tokens without forcing the last to be EOS.
-        same = [sum(a[:args.length] == b[:args.length] for a, b in zip(ref, outputs[(e, beam)]))
-                for e in ENGINES[1:]]
-        rows.append(f"| {'greedy' if beam == 1 else f'beam {beam}'} | " +
-                    " | ".join(f"{n}/{len(ref)}" for n in same) + " |")
+        agree = [f"{e} {sum(a[:cut] == b[:cut] for a, b in zip(ref, outputs[(e, beam)]))}/{n}"
+                 for e in engines if e != "admin_ds"]
+        rows.append(f"| {label} | {'greedy' if beam == 1 else f'beam {beam}'} | **{ct2 / ours:.2f}x** | "
+                    f"{'; '.join(cells)} | {'; '.join(agree)} | "
+                    f"{' / '.join(f'{statistics.median(times[(e, beam)]):.3f}' for e in engines)} |")
     return rows
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not (DATA / "newstest2014.en").is_file():
-        print(f"skipped: {DATA}/newstest2014.en not found (the benchmark decodes real WMT sentences)")
+    if not args.src.is_file() or (args.model is None and not (DATA / "newstest2014.en").is_file()):
+        print(f"skipped: {args.src} or {DATA} not found (the benchmark decodes real WMT sentences)")
         return 0
     import ctranslate2
     import torch
     import transformers
 
+    from admin_ds.inference.model_file import build_from_model_file
+
     transformers.logging.set_verbosity_error()  # generate's notes on max_length vs max_new_tokens
     load_before = os.getloadavg()
-    rows, profiles, agree = [], {}, []
+    rows, profile = [], None
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:
         torch.set_num_threads(args.threads[0])
-        model, plain, subword, src, hf_dir, ct2_dir = build(args, Path(tmp))
-        tokens = src.size(0) * (args.length + 1)
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            runs = decoders(args, threads, model, plain, subword, src, hf_dir, ct2_dir)
-            times, outputs = measure(args, runs, src)
-            rows += table(args, times, tokens, threads)
-            agree = agree or agreement(args, outputs)
-            if args.profile and not profiles:
-                profiles = {e: profile_search(runs[(e, args.beam)]) for e in ("admin_ds", "transformers")}
+        mf, lines = build(args, Path(tmp))
+        _, subword = build_from_model_file(mf)
+        for precision in args.precisions:
+            ours = models(mf, precision, args.plain)
+            cfg = ours["admin_ds"].cfg
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                for n in args.batches:
+                    src = source_batch(subword, cfg, lines[:n])
+                    runs = decoders(args, threads, precision, ours, subword, src, Path(tmp) / "hf", Path(tmp) / "ct2")
+                    times, outputs = measure(args, runs)
+                    rows += rows_for(args, f"{precision} | {threads} | {src.size(0)}", times, outputs, src.size(0))
+                    print(rows[-2] + "\n" + rows[-1], flush=True)
+                    if args.profile and profile is None and precision == "fp32":
+                        profile = (n, threads, profile_search(runs[("admin_ds", args.beam)]))
     load_after = os.getloadavg()
 
     script = Path(sys.argv[0]).resolve()
     command = " ".join(["python", str(script.relative_to(REPO) if script.is_relative_to(REPO) else script),
                         *sys.argv[1:]])
-    src_len = src.ne(model.cfg.pad_idx).sum(1).float()
+    described = args.model or (f"{args.preset} randomly initialised, vocabulary {args.vocab} (SentencePiece "
+                               f"unigram on newstest2013/2014 en+de)")
+    work = (f"every decoder forced to {args.length} tokens + EOS per sentence" if args.length > 0 else
+            f"every decoder up to EOS or {args.max_len} tokens")
     report = "\n".join([
-        "# Decoding speed: admin_ds.inference.decode vs transformers vs CTranslate2 (CPU)",
+        "# Decoding speed: admin_ds.inference.decode vs CTranslate2 (CPU)",
         "",
         f"- command: `{command}`",
         f"- date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- hardware: {hardware()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
-        f"(a shared machine: other jobs were running)",
+        f"- hardware: {hardware()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after",
         f"- software: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"ctranslate2 {ctranslate2.__version__} (float32), Python {platform.python_version()}",
-        f"- model: {args.preset} randomly initialised, vocabulary {args.vocab} (SentencePiece unigram "
-        f"trained on newstest2013/2014 en+de), the same weights in all three (exported with launch/export.py)",
-        f"- batch: the first {src.size(0)} sentences of newstest2014.en ({int(src_len.min())}-"
-        f"{int(src_len.max())} source tokens, mean {float(src_len.mean()):.1f}), one padded batch; every "
-        f"decoder forced to {args.length} tokens + EOS per sentence; target tokens/s (encoding included), "
-        f"best of {args.repeats} interleaved rounds",
+        f"ctranslate2 {ctranslate2.__version__}, Python {platform.python_version()}",
+        f"- model: {described}; the same weights in every decoder "
+        f"(exported with launch/export.py); int8: each library quantizes them at load",
+        f"- sources: the first N sentences of {args.src.name}, one padded batch each; {work}; best of "
+        f"{args.repeats} interleaved rounds, encoding included",
         "",
-        "admin_ds decodes as launch/translate.py does (weights packed for oneDNN by "
-        "admin_ds/inference/packed.py); admin_ds_plain is the same model with F.linear (translate.py --plain-linear).",
+        "ours = admin_ds as translate.py decodes (fp32: weights packed for oneDNN; int8: --int8).",
         "",
-        "| threads | search | admin_ds tok/s | admin_ds_plain tok/s | transformers tok/s | CTranslate2 tok/s "
-        "| admin_ds / transformers | admin_ds / CTranslate2 | admin_ds_plain / transformers "
-        "| median s (ours / plain / HF / CT2) |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| precision | threads | batch | search | ours / CTranslate2 (speed) | sentences/s, target tokens/s "
+        "| outputs identical to ours | median s (same order) |",
+        "|---|---:|---:|---|---:|---|---|---|",
         *rows,
         "",
-        "Outputs identical to admin_ds's, sentence by sentence (first thread count):",
-        "",
-        "| search | admin_ds_plain | transformers | CTranslate2 |",
-        "|---|---:|---:|---:|",
-        *agree,
-        "",
     ])
-    if profiles:
-        report += (f"\n## Where beam {args.beam} spends its time ({args.threads[0]} threads; torch.profiler, "
-                   f"share of self CPU time)\n\n| | admin_ds | transformers |\n|---|---:|---:|\n")
-        for name in profiles["admin_ds"][1]:
-            report += f"| {name} | {profiles['admin_ds'][1][name]:.0%} | {profiles['transformers'][1][name]:.0%} |\n"
-        report += "\nadmin_ds, top operators:\n\n```\n" + profiles["admin_ds"][0] + "\n```\n"
+    if profile:
+        n, threads, (table, shares, wall) = profile
+        report += (f"\n## Where our beam {args.beam} spends its time (fp32, batch {n}, {threads} threads, "
+                   f"{wall:.2f} s; torch.profiler self time as a share of wall time)\n\n| | share |\n|---|---:|\n")
+        report += "".join(f"| {name} | {v:.0%} |\n" for name, v in shares.items())
+        report += "\nTop operators:\n\n```\n" + table + "\n```\n"
     print(report)
     Path(args.out).write_text(report)
     return 0

@@ -13,6 +13,12 @@ Steps:
     combine   real train pairs x --upsample, then the synthetic pairs that pass the length filters
               (1..250 subwords, ratio 1.5, non-empty), binarized with the bitext's spm.model;
               valid/test and the subword model copied; manifest.json written last.
+
+Throughput: the command ends with sentences/s and where the time went (decoding vs reading,
+loading, writing and combining), also recorded under ``throughput`` in the manifest. Each rank is
+pinned to its own share of the node's cores (admin_ds/distributed.py ``pin_to_cores``) and runs
+that many torch threads unless --workers says otherwise. --int8 decodes with int8 linear layers
+(CPU; admin_ds/inference/packed.py).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -65,7 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--max-len-b", type=int_in(0), default=10)
     p.add_argument("--shuffle", action="store_true", help="shuffle the combined pairs with the seed "
                    "(default: real x upsample, then synthetic, in order)")
-    p.add_argument("--workers", type=int_in(1), default=1, help="torch threads for decoding")
+    p.add_argument("--workers", type=int_in(1), default=None,
+                   help="torch threads per rank for decoding (default: the rank's share of the cores)")
+    p.add_argument("--int8", action="store_true", help="CPU: decode with dynamic int8 linear layers")
     p.add_argument("--min-len", type=int_in(0), default=1)
     p.add_argument("--max-len", type=int_in(1), default=250)
     p.add_argument("--ratio", type=float_in(1), default=1.5)
@@ -184,7 +193,8 @@ def translate_shard(model, subword, lines: list[str], a, seed: int) -> list[str]
     return out
 
 
-def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> list[dict]:
+def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tuple[list[dict], dict]:
+    """(every shard's key, this rank's {"lines", "decode_s", "write_s"} for the shards it translated)."""
     (a.out / "shards").mkdir(parents=True, exist_ok=True)
     bounds = shard_bounds(len(lines), a.shards)
     opts = {"method": a.method, "beam": a.beam, "lenpen": a.lenpen, "topk": a.topk,
@@ -194,6 +204,7 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> li
         keys.append({"version": BT_VERSION, "shard": i, "input_sha256": text_sha(lines[s:e]),
                      "lines": e - s, "options": opts, "seed": a.seed + i, "model": model_id})
     model = subword = None
+    done = {"lines": 0, "decode_s": 0.0, "write_s": 0.0}
     for i in range(rank, a.shards, world):
         key = make_key(keys[i])
         base = a.out / "shards" / f"{i:03d}"
@@ -201,10 +212,11 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> li
             log(f"[bt] shard {i}: already done, skipped")
             continue
         if model is None:
-            model, subword, _ = load_model(a.model, a.trust_unverified)
+            model, subword, _ = load_model(a.model, a.trust_unverified, a.int8)
         t0 = time.perf_counter()
         s, e = bounds[i]
         src = translate_shard(model, subword, lines[s:e], a, a.seed + i)
+        t1 = time.perf_counter()
         outputs = {}
         for side, text in (("src", src), ("tgt", lines[s:e])):
             with atomic_output(Path(f"{base}.{side}")) as f:
@@ -212,41 +224,46 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> li
             outputs[side] = sha256_file(Path(f"{base}.{side}"))
         dt = round(time.perf_counter() - t0, 3)
         files.write_text(Path(f"{base}.done.json"), json.dumps(
-            dict(keys[i], key=key, outputs=outputs, seconds=dt), indent=1) + "\n")
+            dict(keys[i], key=key, outputs=outputs, seconds=dt, decode_seconds=round(t1 - t0, 3)), indent=1) + "\n")
+        done["lines"] += e - s
+        done["decode_s"] += t1 - t0
+        done["write_s"] += time.perf_counter() - t1
         log(f"[bt] shard {i}: {e - s} lines translated ({a.method}) in {dt:.1f}s")
-    return keys
+    return keys, done
 
 
 _MODEL_CACHE: dict = {}
 
 
-def load_model(path: Path, trust_unverified: bool = False):
+def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
     """The reverse model and its subword model, loaded once per process (admin_ds/inference/
     model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
-    torchrun or deepspeed), else on the CPU with oneDNN packed weights."""
+    torchrun or deepspeed), else on the CPU with oneDNN packed weights (or int8 ones)."""
     if "model" not in _MODEL_CACHE:
         import torch
 
         from admin_ds.errors import UserError
         from admin_ds.inference.model_file import load_for_decoding
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not int8:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
         try:
-            _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified)
+            _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified,
+                                                      precision="int8" if int8 else "fp32")
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             raise PrepError(f"--model {path}: {e}") from None
     return _MODEL_CACHE["model"]
 
 
-def model_identity(path: Path, trust_unverified: bool = False) -> dict:
+def model_identity(path: Path, trust_unverified: bool = False, int8: bool = False) -> dict:
     """What identifies the reverse model: the model file's checksum, or the run checkpoint's
-    source/tag/update and subword checksum."""
-    _, _, mf = load_model(path, trust_unverified)
+    source/tag/update and subword checksum; and the precision it decodes in."""
+    _, _, mf = load_model(path, trust_unverified, int8)
     ident = {"path": str(path.resolve()), "subword_sha256": mf.subword_sha256,
-             "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang")}
+             "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang"),
+             "precision": "int8" if int8 else "fp32"}
     if path.is_file():
         ident["sha256"] = sha256_file(path)
     else:
@@ -256,7 +273,10 @@ def model_identity(path: Path, trust_unverified: bool = False) -> dict:
 
 # ---- combine ----------------------------------------------------------------------------------
 
-def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id: dict, t_start: float) -> Path:
+def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id: dict, t_start: float,
+            throughput: Callable[[], dict]) -> tuple[Path, dict]:
+    """The combined data directory; ``throughput()`` is asked for its report just before the
+    manifest is written, so the report covers all of combining but the manifest itself."""
     from admin_ds.data.binarize import MANIFEST, open_split, write_manifest
     from admin_ds.data.indexed import IndexedDatasetWriter
     from admin_ds.data.subword import UNK
@@ -311,6 +331,7 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
     splits["train"] = {"lines": len(order), **tok}
     filters = {k: v for k, v in manifest.get("filters", {}).items() if k != "train"}
     filters["synthetic"] = stats
+    report = throughput()
     path = write_manifest(out, {
         "src_lang": s_lang, "tgt_lang": t_lang, "subword_model": manifest.get("subword_model", "spm.model"),
         "subword_sha256": sp.sha256, "vocab_size": sp.vocab_size, "splits": splits, "files": listed,
@@ -329,13 +350,37 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
             "bitext": {"path": str(bt.resolve()), "manifest_sha256": sha256_file(bt / MANIFEST)},
         },
         "seconds": {"total": round(time.perf_counter() - t_start, 3)},
+        "throughput": report,
         "command": " ".join([os.environ.get("DATA_PREP_ARGV0", "python -m data_prep.backtranslate")]
                             + sys.argv[1:]),
     })
     log(f"[bt] synthetic: {stats['read']} pairs, {stats['kept']} kept ({_counts({k: v for k, v in stats.items() if k not in ('read', 'kept')}) or 'none dropped'}); "
         f"train = {n_real} real x {a.upsample} + {stats['kept']} synthetic = {len(order)}")
     log(f"[bt] manifest: {path}")
-    return path
+    return path, report
+
+
+def throughput_report(timings: dict, per_rank: list[dict], cores: list[list[int]], threads: int) -> dict:
+    """Sentences/s and the share of the wall time in decoding vs the rest, from rank 0's clock
+    (``timings``: seconds of each phase) and every rank's shard work (``per_rank``). Decoding is
+    the ranks' mean decode time (they decode at the same time); "waiting" is the translate phase's
+    wall time that no rank spent decoding or writing on average (imbalance between ranks)."""
+    total = sum(timings.values())
+    n = sum(r["lines"] for r in per_rank)
+    world = len(per_rank)
+    decode = sum(r["decode_s"] for r in per_rank) / world
+    write = sum(r["write_s"] for r in per_rank) / world
+    split = {"decoding": decode, "start-up and reading mono": timings["read"], "loading model": timings["load"],
+             "writing shards": write, "waiting for other ranks": max(timings["translate"] - decode - write, 0.0),
+             "combining": timings["combine"]}
+    return {"sentences_translated": n, "ranks": world, "threads_per_rank": threads, "cores_per_rank": cores,
+            "translate_wall_s": round(timings["translate"], 3), "total_s": round(total, 3),
+            "sentences_per_s": round(n / timings["translate"], 2) if timings["translate"] > 0 else None,
+            "sentences_per_s_end_to_end": round(n / total, 2) if total > 0 else None,
+            "decode_sentences_per_s_per_rank": [round(r["lines"] / r["decode_s"], 2) if r["decode_s"] else None
+                                                for r in per_rank],
+            "seconds": {k: round(v, 3) for k, v in split.items()},
+            "share": {k: round(v / total, 4) for k, v in split.items()} if total > 0 else {}}
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -346,14 +391,19 @@ def run(a) -> int:
 
     from admin_ds import distributed
 
-    torch.set_num_threads(a.workers)
     with distributed.session("cpu") as (rank, world):
+        cores = distributed.pin_to_cores()
+        threads = a.workers or len(cores)
+        torch.set_num_threads(threads)
         manifest, sp = check_inputs(a)
-        model_id = model_identity(a.model, a.trust_unverified)
+        t_load = time.perf_counter()
+        model_id = model_identity(a.model, a.trust_unverified, a.int8)
+        t_read = time.perf_counter()
         if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
             log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "
                 f"{manifest['src_lang']}->{manifest['tgt_lang']} (expected a {manifest['tgt_lang']}->{manifest['src_lang']} model)")
         lines, mono_stats = read_mono(a.mono, manifest["tgt_lang"])
+        timings = {"load": t_read - t_load, "read": time.perf_counter() - t_read}
         if a.shards > len(lines):
             raise PrepError(f"--shards {a.shards}: more shards than the {len(lines)} non-empty mono lines")
         lock = open_output_dir(a.out) if rank == 0 else None
@@ -363,10 +413,25 @@ def run(a) -> int:
 
             if rank == 0:
                 (a.out / MANIFEST).unlink(missing_ok=True)
-            keys = run_shards(a, lines, model_id, rank, world)
-            distributed.barrier()
+            t_translate = time.perf_counter()
+            keys, done = run_shards(a, lines, model_id, rank, world)
+            per_rank = distributed.gather_object(done)
+            every_core = distributed.gather_object(cores)
             if rank == 0:
-                combine(a, manifest, sp, keys, mono_stats, model_id, t0)
+                t_combine = time.perf_counter()
+                timings["translate"] = t_combine - t_translate
+                timings["read"] += t_load - t0  # the start-up and checks before the model load
+
+                def throughput() -> dict:
+                    return throughput_report(dict(timings, combine=time.perf_counter() - t_combine),
+                                             per_rank, every_core, threads)
+
+                _, report = combine(a, manifest, sp, keys, mono_stats, model_id, t0, throughput)
+                shares = ", ".join(f"{k} {v:.0%}" for k, v in report["share"].items() if v >= 0.005)
+                log(f"[bt] {report['sentences_translated']} sentences translated in {report['translate_wall_s']:.1f}s on "
+                    f"{world} rank(s) x {threads} thread(s): {report['sentences_per_s'] or 0:.1f} sentences/s "
+                    f"({report['sentences_per_s_end_to_end'] or 0:.1f}/s end to end, {report['total_s']:.1f}s); "
+                    f"time: {shares}")
         finally:
             if lock is not None:
                 lock.release()

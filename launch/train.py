@@ -12,6 +12,10 @@ Options: --config FILE (YAML run config), --section.key=value overrides (see
 admin_ds/train/run_config.py), --profile-only (write the Admin profile and exit), --profile PATH (reuse
 admin_profile.json or a reference profile.ratio.init). The DeepSpeed JSON says how to run; the run
 config says what to train.
+
+Exit status: 0 done; 2 bad input (one line on stderr); 3 a rank was lost or hung (the message names
+it; admin_ds/train/watchdog.py); 75 a signal (SIGTERM, SIGUSR1, SIGINT) stopped the run after a
+checkpoint: run the same command again (launch/slurm.sbatch and launch/requeue.sh do).
 """
 
 import argparse
@@ -47,8 +51,9 @@ def main(argv=None, hooks=None) -> int:
         if args.profile:
             run.admin.profile = str(args.profile)
         from admin_ds.train.loop import train
+        from admin_ds.train.preemption import REQUEUE_STATUS
 
-        train(run, args.deepspeed_config, hooks)
+        summary = train(run, args.deepspeed_config, hooks)
     except (UserError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -57,7 +62,7 @@ def main(argv=None, hooks=None) -> int:
 
         print(f"error: {describe_os_error(e)}", file=sys.stderr)
         return 2
-    return 0
+    return REQUEUE_STATUS if summary.get("requeue") else 0
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@
 omega folded away (admin_ds/model/fold.py): the same translations from a vanilla Post-LN model.
 On a CPU in fp32 the model's weights are first packed for oneDNN (admin_ds/inference/packed.py;
 2-4x faster matrix products at decoding's small row counts); --plain-linear decodes without that.
+--int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
+per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
+(BENCHMARKS.md: speed and the BLEU change).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -53,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     p.add_argument("--plain-linear", action="store_true",
                    help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference/packed.py)")
+    p.add_argument("--int8", action="store_true",
+                   help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
@@ -62,6 +67,8 @@ def parse_args(argv=None):
         p.error("--nbest > 1 needs --method beam")
     if args.nbest > args.beam:
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
+    if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
+        p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
     return args
 
 
@@ -113,7 +120,7 @@ def main(argv=None) -> int:
     from admin_ds.errors import UserError
     from admin_ds.inference.model_file import load_for_decoding
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() and not args.int8 else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available", file=sys.stderr)
         return 2
@@ -124,7 +131,8 @@ def main(argv=None) -> int:
                 device = f"cuda:{torch.cuda.current_device()}"
             lines = read_input(str(args.input), rank)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
-                                                  packed=not args.plain_linear, trust_unverified=args.trust_unverified)
+                                                  packed=not args.plain_linear, trust_unverified=args.trust_unverified,
+                                                  precision="int8" if args.int8 else "fp32")
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -139,7 +147,7 @@ def main(argv=None) -> int:
             results.buffer.write("".join(f"{line}\n" for part in parts for line in part).encode("utf-8"))
             results.flush()
             print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.1f}s on {world} rank(s), "
-                  f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {args.dtype}"
+                  f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {'int8' if args.int8 else args.dtype}"
                   f"{', folded' if args.fold else ''}; model {args.checkpoint}",
                   file=sys.stderr)
     return 0

@@ -1,12 +1,16 @@
 """Shared fixtures: a small generated corpus, prepared once per session, and one Admin profile
 shared by runs whose layouts must not change omega."""
 
+import subprocess
+
 import pytest
 
-from distributed import SMALL_DATA, spawn
+from distributed import REPO, SMALL_DATA, free_port, spawn
+from launching import check, clean_env, losses, run_args
 
 NO_DROPOUT = ["--model.dropout_p=0", "--model.attention_dropout_p=0", "--model.activation_dropout_p=0"]
 ZERO = {s: {"zero_optimization": {"stage": s}, "gradient_accumulation_steps": 1} for s in (0, 1, 2, 3)}
+PIPE = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}
 
 
 def overrides(tmp, data_dir, *extra) -> list:
@@ -30,3 +34,24 @@ def fixed_profile(tmp_path_factory, data_dir):
     spawn(1, "profile_only", tmp / "out", run_overrides=overrides(tmp / "run", data_dir, *NO_DROPOUT),
           ds=ZERO[0], tmp=str(tmp))
     return tmp / "run" / "admin_profile.json"
+
+
+REFERENCE_UPDATES = 4
+
+
+def reference_args(run_dir, data_dir, port, ds=REPO / "ds_configs/zero2.json") -> list:
+    """launch/train.py's arguments for runs compared with ``two_rank_reference``: dropout off, so
+    that a run resumed on another layout (other ranks, other dropout streams) continues it exactly."""
+    return [*run_args(run_dir, data_dir, port, REFERENCE_UPDATES, ds=ds), *NO_DROPOUT]
+
+
+@pytest.fixture(scope="session")
+def two_rank_reference(tmp_path_factory, data_dir):
+    """Losses of `deepspeed --num_gpus 2 launch/train.py` (ZeRO-2, REFERENCE_UPDATES updates) on
+    this machine: every other launch path, one host or two, must reproduce them."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
+           *reference_args(run_dir, data_dir, free_port())]
+    out = check(subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=600), "deepspeed")
+    assert "[world] 2 rank(s)" in out
+    return losses(run_dir)

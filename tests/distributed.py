@@ -26,12 +26,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dict) -> None:
+def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dict, accelerator: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR=accelerator)
     import torch
 
-    torch.set_num_threads(1)
+    if accelerator == "cpu":
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     try:
         result = globals()[fn_name](**kwargs)
         error = None
@@ -47,12 +49,14 @@ def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dic
     distributed.shutdown()
 
 
-def spawn(world: int, fn_name: str, out: Path, **kwargs) -> list:
+def spawn(world: int, fn_name: str, out: Path, accelerator: str = "cpu", **kwargs) -> list:
+    """Run ``fn_name(**kwargs)`` on ``world`` ranks of DeepSpeed's ``accelerator`` ("cpu": gloo;
+    "cuda": one GPU per rank, NCCL); returns each rank's result."""
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("rank*.json"):
         f.unlink()
     port = free_port()
-    ctx = mp.start_processes(_entry, args=(world, port, str(out), fn_name, kwargs), nprocs=world,
+    ctx = mp.start_processes(_entry, args=(world, port, str(out), fn_name, kwargs, accelerator), nprocs=world,
                              join=False, start_method="spawn")
     exited = None
     try:
@@ -106,18 +110,28 @@ def _profile(t):
 def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, read_omega: bool = False,
                   save: bool = False) -> dict:
     """Profile (or resume), run ``updates`` updates (then save, if asked); report losses, grad
-    norms, omega, and per-parameter checksums of the whole model's state (rank 0)."""
+    norms, skipped steps (and which the guard would count as non-finite), fp16 loss scales, peak GPU memory, omega, and per-parameter checksums of
+    the whole model's state (rank 0)."""
+    import torch
+
     from admin_ds.train import engine as eng
 
     t = _training(run_overrides, ds, tmp)
     resumed = t.try_resume()
     if not resumed:
         t.establish_profile()
-    losses, norms = [], []
+    losses, norms, skipped, nonfinite, scales = [], [], [], [], []
+    engine = t.runner.engine
+    if t.runner.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(updates):
         stats = t.train_update()
         losses.append(stats["loss"])
         norms.append(stats["grad_norm"])
+        skipped.append(stats["skipped"])
+        nonfinite.append(stats["nonfinite"])
+        scales.append(engine.optimizer.loss_scale if t.layout["precision"] == "fp16" else None)
+    peak_mem = torch.cuda.max_memory_allocated() if t.runner.device.type == "cuda" else None
     omega = None
     if read_omega:
         engine = t.runner.engine
@@ -128,7 +142,8 @@ def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, re
     if save:
         t.save()
     return {"losses": losses, "grad_norms": norms, "profile": _profile(t), "omega": omega, "params": params,
-            "resumed": resumed, "update": t.state.update}
+            "resumed": resumed, "update": t.state.update, "skipped": skipped, "loss_scales": scales,
+            "peak_mem": peak_mem, "nonfinite": nonfinite}
 
 
 def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
@@ -138,6 +153,31 @@ def profile_only(run_overrides: list[str], ds: dict, tmp: str) -> dict:
     t.establish_profile()
     return {"profile": _profile(t), "src": first["src_tokens"].tolist(), "tgt": first["tgt_in_tokens"].tolist(),
             "tokens": t.profile.tokens}
+
+
+def profile_batches(run_overrides: list[str], ds: dict, tmp: str, batches: list[dict]) -> dict:
+    """The distributed profile of given padded batches, one per data-parallel rank ({"src": rows,
+    "tgt": rows} of token ids, tgt starting with EOS), with each formula; and the decoder layers
+    this rank's stage holds."""
+    import torch
+
+    t = _training(run_overrides, ds, tmp)
+    mine = batches[t.runner.dp_rank]
+    src, tgt_in = torch.tensor(mine["src"]), torch.tensor(mine["tgt"])
+    pad, eos = t.cfg.pad_idx, t.cfg.eos_idx
+    target = torch.cat([tgt_in[:, 1:], torch.full_like(tgt_in[:, :1], pad)], 1)
+    lengths = tgt_in.ne(pad).sum(1)
+    target[torch.arange(len(lengths)), lengths - 1] = eos  # the target ends where the input does
+    batch = {"src_tokens": src, "tgt_in_tokens": tgt_in, "target": target,
+             "ntokens": int(lengths.sum()), "nsentences": len(lengths)}
+    out = {}
+    for formula in ("reference", "paper"):
+        t.run.admin.formula = formula  # the runner reads its run config's admin section
+        profile = t.runner.profile(batch)
+        out[formula] = {"encoder": profile.omega("encoder"), "decoder": profile.omega("decoder")}
+    stage = getattr(t.runner, "stage", None)
+    held = t.runner.model if stage is None else stage.model
+    return {**out, "stage_decoder_layers": held.decoder_layers.indices()}
 
 
 # ---- reliability (tests/test_reliability.py) ----------------------------------------------------

@@ -3,10 +3,14 @@ production loop carries no fault code.
 
 A spec is a comma-separated list; each fault fires at most once per process:
     kill_during_profile         SIGKILL after profiling, before omega is written
-    kill_during_update:U        SIGKILL during update U (after its first forward)
+    kill_during_update:U[:R]    SIGKILL during update U (after its first forward), on rank R
+                                (default: every rank)
+    stop_during_update:U:R      SIGSTOP there, on rank R: the process hangs, its sockets stay open
     kill_during_save:U          SIGKILL while checkpoint U is written (after DeepSpeed's first file)
     enospc_during_save:U        OSError(ENOSPC) there instead: the run stops, the previous
                                 complete checkpoint stays the one to resume from
+    signal_during_save:SIG:R    rank R sends itself signal SIG (TERM, USR1, INT) while any
+                                checkpoint is written (after DeepSpeed's first file)
     nan_loss:U[-V][:R]          rank R's (default 0) first micro-batch loss x NaN in updates
                                 U..V; may repeat. In a pipeline R must be a last-stage rank
     spike_loss:U:F              every micro-batch loss x F in update U
@@ -53,11 +57,13 @@ class Faults:
         self.fired.add(key)
         return True
 
-    def _at(self, name: str, update: int, rank: Optional[int] = None) -> bool:
-        """Is ``name`` armed for ``update`` (and ``rank``: the fault's second argument, default 0)?"""
+    def _at(self, name: str, update: int, rank: Optional[int] = None, default_rank: Optional[int] = 0) -> bool:
+        """Is ``name`` armed for ``update`` (and ``rank``: the fault's second argument, else
+        ``default_rank``; None: every rank)?"""
         for args in self.spec.get(name, []):
             lo, _, hi = args[0].partition("-")
-            on_rank = rank is None or int(args[1] if len(args) > 1 else 0) == rank
+            armed = int(args[1]) if len(args) > 1 else default_rank
+            on_rank = rank is None or armed is None or armed == rank
             if int(lo) <= update <= int(hi or lo) and on_rank:
                 return self._once((name, update))
         return False
@@ -80,8 +86,11 @@ class Faults:
             return loss
         u, micro = self._update, self._micro
         self._micro += 1
-        if micro == 0 and self._at("kill_during_update", u):
+        if micro == 0 and self._at("kill_during_update", u, rank, default_rank=None):
             self._kill(f"during update {u}")
+        if micro == 0 and self._at("stop_during_update", u, rank):
+            print(f"[fault] SIGSTOP on rank {rank} during update {u} ({TAG})", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if micro == 0 and self._at("nan_loss", u, rank):
             loss = loss * float("nan")
         if micro == 0:
@@ -96,6 +105,10 @@ class Faults:
         """Before each DeepSpeed file of checkpoint ``update``; faults fire before the second."""
         if written < 1:
             return
+        for sig, rank in self.spec.get("signal_during_save", []):
+            if int(rank) == int(os.environ.get("RANK", 0)) and self._once(("signal_during_save", update)):
+                print(f"[fault] SIG{sig} to rank {rank} while writing checkpoint {update} ({TAG})", flush=True)
+                os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
         if self._at("kill_during_save", update):
             self._kill(f"while writing checkpoint {update}")
         if self._at("enospc_during_save", update):

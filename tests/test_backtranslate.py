@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from data_prep.noise import BLANK, encode_with_blanks, noise_words
+from distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -127,7 +128,8 @@ def test_backtranslate_methods_seed_resume(setup):
     tmp, run, bitext, mono = setup["tmp"], setup["run"], setup["bitext"], setup["mono"]
     common = ["--model", run, "--mono", mono, "--bitext", bitext, "--shards", "3", "--seed", "3", *FAST]
     a, b = tmp / "topk_a", tmp / "topk_b"
-    _run([*common, "--out", a, "--method", "topk", "--tag", "--upsample", "2"])
+    r = _run([*common, "--out", a, "--method", "topk", "--tag", "--upsample", "2"])
+    _check_throughput(a, r.stderr, translated=60, ranks=1)
     _run([*common, "--out", b, "--method", "topk", "--tag", "--upsample", "2"])
     ma = _check_dir(a, bitext, 2, True)
     mb = _check_dir(b, bitext, 2, True)
@@ -143,6 +145,7 @@ def test_backtranslate_methods_seed_resume(setup):
     r = _run([*common, "--out", a, "--method", "topk", "--tag", "--upsample", "2"])
     assert "shard 0: already done" in r.stderr and "shard 2: already done" in r.stderr
     assert "shard 1: 20 lines translated" in r.stderr
+    _check_throughput(a, r.stderr, translated=20, ranks=1)
     after = {i: (a / "shards" / f"{i:03d}.done.json").stat().st_mtime_ns for i in range(3)}
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
     assert _check_dir(a, bitext, 2, True)["files"] == ma["files"]
@@ -162,6 +165,46 @@ def test_backtranslate_methods_seed_resume(setup):
             assert m["backtranslation"]["noise"]["word_dropout"] == 0.1
 
 
+def _check_throughput(out: Path, stderr: str, translated: int, ranks: int) -> dict:
+    """The manifest's throughput record and the command's last line agree with what was run."""
+    t = json.loads((out / "manifest.json").read_text())["throughput"]
+    assert t["sentences_translated"] == translated and t["ranks"] == ranks
+    assert t["sentences_per_s"] > 0 and 0 < t["share"]["decoding"] < 1
+    assert t["seconds"]["decoding"] <= t["translate_wall_s"] <= t["total_s"]
+    last = stderr.strip().splitlines()[-1]
+    assert f"{translated} sentences translated" in last and "sentences/s" in last and "decoding" in last, last
+    return t
+
+
+def test_two_ranks_pinned_to_own_cores_translate_like_one(setup):
+    """torchrun with 2 ranks: each rank pinned to its own cores (disjoint sets, threads to match),
+    and the same synthetic pairs as one rank (beam search is deterministic). --int8 decodes with
+    int8 layers and says so in the manifest."""
+    tmp, run, bitext, mono = setup["tmp"], setup["run"], setup["bitext"], setup["mono"]
+    common = ["--model", run, "--mono", mono, "--bitext", bitext, "--shards", "4", "--method", "beam", *FAST]
+    one, two = tmp / "ranks1", tmp / "ranks2"
+    r1 = _run([*common, "--out", one])
+    t1 = _check_throughput(one, r1.stderr, translated=60, ranks=1)
+    assert t1["cores_per_rank"] == [sorted(os.sched_getaffinity(0))]
+    r2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                         "--master_port", str(free_port()), "-m", "data_prep.backtranslate", *map(str, common),
+                         "--out", str(two)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    t2 = _check_throughput(two, r2.stderr, translated=60, ranks=2)
+    cores = t2["cores_per_rank"]
+    assert not set(cores[0]) & set(cores[1]) and all(cores)
+    assert sorted(cores[0] + cores[1]) == sorted(os.sched_getaffinity(0))[:len(cores[0] + cores[1])]
+    assert t2["threads_per_rank"] == len(cores[0])
+    for i in range(4):
+        for side in ("src", "tgt"):
+            assert (one / "shards" / f"{i:03d}.{side}").read_bytes() == (two / "shards" / f"{i:03d}.{side}").read_bytes()
+
+    q = tmp / "int8"
+    r = _run([*common, "--out", q, "--int8"])
+    _check_throughput(q, r.stderr, translated=60, ranks=1)
+    assert json.loads((q / "manifest.json").read_text())["backtranslation"]["reverse_model"]["precision"] == "int8"
+
+
 def test_bad_inputs(setup, capsys):
     from data_prep.backtranslate import main
 
@@ -170,8 +213,9 @@ def test_bad_inputs(setup, capsys):
     empty.write_text("")
     out = tmp / "bad"
     base = {"--model": run, "--mono": mono, "--bitext": bitext, "--out": out}
+    # Paths that do not exist are refused by argparse (status 2), the rest by the command (status 1).
     cases = [({"--model": tmp / "nope"}, [], "--model"),
-             ({"--mono": tmp / "nope.en"}, [], "nope.en: no such file"),
+             ({"--mono": tmp / "nope.en"}, [], "nope.en"),
              ({"--mono": empty}, [], "empty.en: empty file"),
              ({"--bitext": tmp / "nodir"}, [], "nodir"),
              # the run's own data dir (prepare_default_data) reserves no <BT>
@@ -179,7 +223,10 @@ def test_bad_inputs(setup, capsys):
     for override, extra, msg in cases:
         args = dict(base, **override)
         argv = [str(x) for kv in args.items() for x in kv] + extra
-        assert main(argv) == 1
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and msg in err, err
+        assert rc in (1, 2) and "error: " in err and msg in err and "Traceback" not in err, (rc, err)
         assert not (out / "manifest.json").exists()

@@ -3,71 +3,34 @@ plain mpirun with mpi4py discovery, Slurm's variables, and deepspeed's openmpi l
 hostfile and a .deepspeed_env. Each run's losses must equal the reference launch's."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from conftest import reference_args as run_args
 from distributed import REPO, SMALL_DATA, free_port, spawn
+from launching import check, clean_env, losses
 
 needs_mpi = pytest.mark.skipif(shutil.which("mpirun") is None,
                                reason="OpenMPI (mpirun) is not installed; launch/setup_env.sh installs it as root")
-UPDATES = 4
 
 
-def run_args(run_dir, data_dir, port):
-    return ["--deepspeed_config", str(REPO / "ds_configs/zero2.json"), f"--train.run_dir={run_dir}",
-            f"--data.path={data_dir}", f"--data.max_tokens={SMALL_DATA['max_tokens']}",
-            f"--train.max_updates={UPDATES}", "--train.log_interval=1", "--train.final_eval=false",
-            f"--engine.distributed_port={port}"]
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith(("SLURM_", "OMPI_", "PMI"))}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
-    env.update(extra)
-    return env
-
-
-def losses(run_dir):
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r["kind"] == "train"]
-
-
-def check(proc_or_result, what):
-    out = proc_or_result.stdout + (proc_or_result.stderr or "")
-    assert proc_or_result.returncode == 0, f"{what} failed:\n{out[-3000:]}"
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_dir):
-    """`deepspeed --num_gpus 2 launch/train.py ...` on this machine."""
-    run_dir = tmp_path_factory.mktemp("ref") / "run"
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "launch/train.py"),
-           *run_args(run_dir, data_dir, free_port())]
-    out = check(subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=600), "deepspeed")
-    assert "[world] 2 rank(s)" in out
-    return losses(run_dir)
 
 
 @needs_mpi
-def test_mpirun_with_mpi4py_discovery_matches_the_deepspeed_launcher(tmp_path, data_dir, reference):
+def test_mpirun_with_mpi4py_discovery_matches_the_deepspeed_launcher(tmp_path, data_dir, two_rank_reference):
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "DS_ACCELERATOR", "-x",
            "OMP_NUM_THREADS", "-x", "PATH", sys.executable, str(REPO / "launch/train.py"),
            *run_args(tmp_path / "run", data_dir, free_port())]
     out = check(subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=600), "mpirun")
     assert "[world] 2 rank(s)" in out
-    assert losses(tmp_path / "run") == pytest.approx(reference, rel=1e-6)
+    assert losses(tmp_path / "run") == pytest.approx(two_rank_reference, rel=1e-6)
 
 
-def test_two_processes_given_only_slurm_variables_form_the_world_and_train(tmp_path, data_dir, reference):
+def test_two_processes_given_only_slurm_variables_form_the_world_and_train(tmp_path, data_dir, two_rank_reference):
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(REPO / "launch/train.py"), *run_args(tmp_path / "run", data_dir, port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -77,11 +40,11 @@ def test_two_processes_given_only_slurm_variables_form_the_world_and_train(tmp_p
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
     assert "[world] 2 rank(s): data-parallel 2 x pipeline 1" in outs[0]
-    assert losses(tmp_path / "run") == pytest.approx(reference, rel=1e-6)
+    assert losses(tmp_path / "run") == pytest.approx(two_rank_reference, rel=1e-6)
 
 
 @needs_mpi
-def test_deepspeed_hostfile_with_openmpi_launcher_and_deepspeed_env(tmp_path, data_dir, reference):
+def test_deepspeed_hostfile_with_openmpi_launcher_and_deepspeed_env(tmp_path, data_dir, two_rank_reference):
     """As the README says: write .deepspeed_env in the launch directory, then launch with a
     hostfile. DS_ACCELERATOR reaches the ranks only through that file."""
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
@@ -95,7 +58,7 @@ def test_deepspeed_hostfile_with_openmpi_launcher_and_deepspeed_env(tmp_path, da
     out = check(subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600),
                 "deepspeed --launcher openmpi")
     assert "mpirun -n 2 -hostfile hostfile" in out and "-x DS_ACCELERATOR=cpu" in out
-    assert losses(tmp_path / "run") == pytest.approx(reference, rel=1e-6)
+    assert losses(tmp_path / "run") == pytest.approx(two_rank_reference, rel=1e-6)
 
 
 def test_a_rank_that_cannot_reach_the_master_fails_fast_naming_it(tmp_path, data_dir):
@@ -116,6 +79,19 @@ def test_layout_is_checked_against_the_config(tmp_path, data_dir):
                           "--engine.expect_world_size=8"], capture_output=True, text=True, timeout=120, env=clean_env())
     assert out.returncode == 2
     assert "engine.expect_world_size=8, but this launch has 1" in out.stderr
+
+
+def test_ranks_of_one_node_with_the_same_local_rank_are_refused():
+    """A launcher that gives two ranks of a node one LOCAL_RANK would put them on one GPU."""
+    from admin_ds.distributed import describe_ranks
+    from admin_ds.errors import ConfigError
+
+    net = {"interface": "cl0", "address": "198.18.0.1", "chosen_by": "route to the master"}
+    ranks = [dict(net, host="n1", local_rank=0), dict(net, host="n2", local_rank=0), dict(net, host="n1", local_rank=1)]
+    assert describe_ranks(ranks)[0] == "n1: rank(s) 0, 2, local rank(s) 0, 1; interface cl0 198.18.0.1 (route to the master)"
+    ranks[2]["local_rank"] = 0
+    with pytest.raises(ConfigError, match=r"ranks 0, 2 on n1 have the local ranks \[0, 0\]"):
+        describe_ranks(ranks)
 
 
 def test_slurm_nodelist_expansion():

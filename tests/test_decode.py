@@ -411,6 +411,19 @@ def test_output_independent_of_batch_padding(copy_models):
 # ---- 8. the CPU inference rewrite (admin_ds/inference.py) ----------------------------------------
 
 
+def tiny_model_and_batch(kw):
+    """(an untrained debug-tiny model with ``kw``, omega profiled when Admin; sources; targets)."""
+    from admin_ds.profiling import profile_omega
+
+    torch.manual_seed(0)
+    plain = build_model(get_preset("debug-tiny", vocab_size=1000, **NO_DROPOUT, **kw)).eval()
+    src, _ = sources(1, 6)
+    tgt = torch.cat([torch.full((6, 1), EOS), torch.randint(4, 1000, (6, 5))], dim=1)
+    if kw["init"] == "admin":
+        profile_omega(plain, (src, tgt), seed=0)
+    return plain, src, tgt
+
+
 def packed_copy(model):
     from admin_ds.inference.packed import optimize_for_decoding
 
@@ -436,14 +449,7 @@ def test_packed_model_computes_what_the_plain_model_computes(kw):
     """Every Linear packed (FFN activation fused, Q/K/V of a decoder step in one product, the tied
     output projection too): full-forward logits and step-by-step logits equal the plain model's
     to float32 rounding, and the rewritten model's own step-by-step path equals its full forward."""
-    from admin_ds.profiling import profile_omega
-
-    torch.manual_seed(0)
-    plain = build_model(get_preset("debug-tiny", vocab_size=1000, **NO_DROPOUT, **kw)).eval()
-    src, _ = sources(1, 6)
-    tgt = torch.cat([torch.full((6, 1), EOS), torch.randint(4, 1000, (6, 5))], dim=1)
-    if kw["init"] == "admin":
-        profile_omega(plain, (src, tgt), seed=0)
+    plain, src, tgt = tiny_model_and_batch(kw)
     packed = packed_copy(plain)
     layers = plain.cfg.num_encoder_layers + plain.cfg.num_decoder_layers
     expected = 6 * plain.cfg.num_encoder_layers + 11 * plain.cfg.num_decoder_layers + 1  # + output projection
@@ -488,3 +494,97 @@ def test_inference_rewrite_leaves_other_models_alone(copy_models, monkeypatch):
     assert count_packed(out) == 0 and not out.training
     monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", "0")
     assert count_packed(packed_copy(copy_models.full)) == 0
+
+
+# ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------
+
+
+def int8_copy(model):
+    from admin_ds.inference.packed import optimize_for_decoding
+
+    return optimize_for_decoding(copy.deepcopy(model), "int8")
+
+
+def count_linear(model):
+    """(Int8Linear modules, float Linear-like modules left: nn.Linear or PackedLinear)."""
+    from admin_ds.inference.packed import Int8Linear, PackedLinear
+
+    mods = list(model.modules())
+    return (sum(isinstance(m, Int8Linear) for m in mods),
+            sum(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in mods))
+
+
+def test_int8_linear_computes_the_dynamic_quantization_formula():
+    """Int8Linear against the formula written out: weight rows w_q = round(w / s_w) with s_w =
+    max|row| / 127; input x_q = clamp(round(x / s) + z, 0, 255) with s = (max(x, 0) - min(x, 0)) / 255
+    over the whole input, z = round(-min / s); y = s * s_w * (x_q - z) w_q^T + b. Also: the
+    float product is a different thing (the rounding shows), so the check can fail."""
+    from admin_ds.inference.packed import Int8Linear
+
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(48, 40, generator=g) * 0.2, torch.randn(48, generator=g)
+    x = torch.randn(2, 7, 40, generator=g) * 3 + 0.5
+    lin = Int8Linear(w, b)
+    s_w = w.abs().amax(1) / 127
+    w_q = (w / s_w[:, None]).round()
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    s = (hi - lo) / (127 if lin._reduce_range else 255)
+    z = round(-lo / s)
+    x_q = (x / s).round().add(z).clamp(0, 127 if lin._reduce_range else 255)
+    want = s * ((x_q - z) @ w_q.T) * s_w + b
+    got = lin(x)
+    assert got.shape == (2, 7, 48)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    exact = F.linear(x, w, b)
+    assert (got - exact).abs().max() > 1e-3 * exact.abs().max()  # int8 rounding is visible
+    relu = Int8Linear(w, b, "relu")(x)
+    assert torch.equal(relu, F.relu(got))
+
+
+@pytest.mark.parametrize("kw", [dict(init="admin"), dict(share_all_embeddings=False,
+                                                           share_decoder_input_output_embed=False, init="default")])
+def test_int8_replaces_every_linear_and_stays_close_to_fp32(kw):
+    """Every linear product of the model becomes an Int8Linear (the tied output projection too;
+    nothing float is left), and the logits stay within 5% of their range of the fp32 model's,
+    on the full forward and step by step."""
+    from admin_ds.model.layers import IncrementalState
+    plain, src, tgt = tiny_model_and_batch(kw)
+    q = int8_copy(plain)
+    expected = 6 * plain.cfg.num_encoder_layers + 11 * plain.cfg.num_decoder_layers + 1
+    assert count_linear(q) == (expected, 0)
+    assert count_linear(plain)[0] == 0
+    with torch.no_grad():
+        want = plain(src, tgt)
+        spread = want.max() - want.min()
+        full = q(src, tgt)
+        assert (full - want).abs().max() <= 0.05 * spread
+        assert (full - want).abs().max() > 0  # it is not the float model
+        enc, src_pad = q.encode(src, skip_padding=True)
+        state = IncrementalState()
+        steps = torch.cat([q.decode(tgt[:, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
+        assert (steps - want).abs().max() <= 0.05 * spread
+
+
+def test_int8_translates_like_fp32(copy_models):
+    """The trained copy model: int8 greedy and beam outputs equal fp32's on at least 95% of 40
+    sentences (the tolerance: int8 rounding may flip a near-tie), and int8 copies its input as
+    often as fp32 does, give or take one sentence."""
+    plain = copy_models.full
+    q = int8_copy(plain)
+    src, seqs = sources(21, 40)
+    kw = dict(max_len_a=1.0, max_len_b=3)
+    for search in (lambda m: greedy(m, src, **kw),
+                   lambda m: [h[0].tokens for h in beam_search(m, src, beam=4, lenpen=0.6, **kw)]):
+        got, want = search(q), search(plain)
+        assert sum(a == b for a, b in zip(got, want)) >= 0.95 * len(seqs)
+        copied = [sum(a == s[:-1] for a, s in zip(out, seqs)) for out in (got, want)]
+        assert copied[1] >= 0.75 * len(seqs) and abs(copied[0] - copied[1]) <= 1, copied
+
+
+def test_int8_refused_off_cpu_fp32(copy_models):
+    from admin_ds.inference.packed import optimize_for_decoding
+
+    with pytest.raises(ValueError, match="int8 decoding runs on the CPU from a float32 model"):
+        optimize_for_decoding(copy.deepcopy(copy_models.full).to(torch.bfloat16), "int8")
+    with pytest.raises(ValueError, match="unknown decoding precision 'int4'"):
+        optimize_for_decoding(copy.deepcopy(copy_models.full), "int4")

@@ -2,7 +2,6 @@
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -38,63 +37,7 @@ def seeded_model(cfg, seed=0):
     return build_model(cfg)
 
 
-# ---- profiling: both formulas against a hand computation ----------------------------------------
-
-
-def hand_profile(model, src, tgt, formula):
-    """Walk the sub-layers by hand (no recorder, no residual modules), numpy population variance,
-    float32 tensors as the reference code uses. Dropout must be 0 so the pass is deterministic."""
-    def run_chain(x, steps):
-        omegas, var_f, omega = [], [], 1.0
-        for branch, norm in steps:
-            f = branch(x)
-            use = omega if formula == "reference" else 1.0
-            omegas.append(use)
-            var_f.append(float(np.var(f.detach().numpy())))
-            nxt = math.sqrt(float(np.var((use * x).detach().numpy())) + var_f[-1])
-            x = norm(use * x + f)
-            omega = nxt
-        if formula == "paper":
-            omegas = [1.0] + [math.sqrt(sum(var_f[:i])) for i in range(1, len(var_f))]
-        return x, omegas
-
-    with torch.no_grad():
-        src_pad = src.eq(PAD)
-        enc_steps = []
-        for L in model.encoder_layers:
-            enc_steps += [(lambda h, L=L: L.self_attn(h, key_padding_mask=src_pad), L.self_attn_layer_norm),
-                          (L.ffn, L.final_layer_norm)]
-        enc, enc_omega = run_chain(model.src_embed(src), enc_steps)
-        dec_steps = []
-        for L in model.decoder_layers:
-            # fairseq's decoder masks padded target keys in self-attention (self_attn_padding_mask)
-            dec_steps += [(lambda h, L=L: L.self_attn(h, key_padding_mask=tgt.eq(PAD), causal=True),
-                           L.self_attn_layer_norm),
-                          (lambda h, L=L: L.encoder_attn(h, enc, key_padding_mask=src_pad),
-                           L.encoder_attn_layer_norm),
-                          (L.ffn, L.final_layer_norm)]
-        _, dec_omega = run_chain(model.src_embed(tgt), dec_steps)
-    return enc_omega, dec_omega
-
-
-@pytest.mark.parametrize("formula", ["reference", "paper"])
-def test_profile_formulas_match_hand_computation(formula):
-    cfg = tiny(num_encoder_layers=4, num_decoder_layers=3, dropout_p=0.0, attention_dropout_p=0.0,
-               activation_dropout_p=0.0)
-    model = seeded_model(cfg)
-    src, tgt = batch()
-    want_enc, want_dec = hand_profile(model, src, tgt, formula)
-    prof = profile_omega(model, (src, tgt), formula=formula)
-    np.testing.assert_allclose(prof.omega("encoder"), want_enc, rtol=1e-5)
-    np.testing.assert_allclose(prof.omega("decoder"), want_dec, rtol=1e-5)
-    assert len(want_enc) == 8 and len(want_dec) == 9
-    # omega grows along each chain (the point of Admin) and was written into the model
-    assert want_enc[-1] > max(want_enc[1], 1.0) and want_dec[-1] > max(want_dec[1], 1.0)
-    for name, p in model.named_parameters():
-        if name.endswith("omega"):
-            assert torch.all(p == p[0])
-    first = model.encoder_layers[1].ffn_residual.omega
-    assert torch.allclose(first, torch.full_like(first, want_enc[3]))
+# ---- profiling (against an independent computation: tests/test_profile_reference.py) -------------
 
 
 def test_profile_runs_in_train_mode_with_dropout_and_restores_mode():

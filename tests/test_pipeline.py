@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NO_DROPOUT, overrides
+from conftest import NO_DROPOUT, PIPE, overrides
 from distributed import spawn
 
-PIPE = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}
 DP_REF = {"zero_optimization": {"stage": 0}, "gradient_accumulation_steps": 2}
 
 

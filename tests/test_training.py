@@ -16,6 +16,7 @@ import torch
 from distributed import REPO, spawn
 
 from conftest import NO_DROPOUT, ZERO, overrides
+from shared_data import DATA, needs_data
 
 
 def rel(a, b):
@@ -171,6 +172,8 @@ def _refused(*args, ds=None, tmp=None):
     ({}, ["--train.nope=1"], "command line: train.nope: unknown key"),
     ({}, ["--model.preset=admin-7L"], "model.preset: unknown preset 'admin-7L'"),
     ({}, ["--data.path=/nonexistent/dir"], "data.path: /nonexistent/dir: no manifest.json"),
+    ({"zero_optimization": {"stage": 3}}, ["--engine.compile=true"], "zero_optimization.stage=3 with engine.compile"),
+    ({}, ["--optim.implementation=fused"], "optim.implementation: 'fused' has Adam and AdamW only"),
     ("{ not json", [], "invalid JSON"),
 ])
 def test_refused_configurations(tmp_path, ds, extra, message):
@@ -189,6 +192,20 @@ def test_zero2_with_pipeline_is_refused():
         resolve_ds_config({"zero_optimization": {"stage": 2}}, run, world=4)
     ds = resolve_ds_config({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 3}, run, world=4)
     assert ds["train_batch_size"] == 6 and ds["gradient_clipping"] == 0.0
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_engine_config_passes_deepspeeds_validation(path):
+    """DeepSpeed's own config model accepts every engine JSON we ship, resolved against the
+    default run config (it is stricter than JSON: fp16.min_loss_scale must be an integer, say)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from admin_ds.train.engine import resolve_ds_config
+    from admin_ds.train.run_config import load_run_config
+
+    raw = json.loads(path.read_text())
+    ds = resolve_ds_config(raw, load_run_config(None, []), world=raw.get("pipeline", {}).get("stages", 1))
+    DeepSpeedConfig(ds)
 
 
 # ---- the main job --------------------------------------------------------------------------------
@@ -256,3 +273,54 @@ def test_profile_only_then_reuse_reference_format(tmp_path, data_dir):
     reused = json.loads((tmp_path / "q/admin_profile.json").read_text())
     assert reused["formula"] == "imported"
     assert [s["omega"] for s in reused["sublayers"]] == pytest.approx([s["omega"] for s in prof["sublayers"]], rel=1e-12)
+
+
+def test_train_command_reuses_a_deepnmt_profile_and_refuses_a_wrong_count(tmp_path, data_dir):
+    """deepnmt's profile (bare omega values, mapped by position): one of the right length is used
+    and profiling skipped; one of the wrong length ends the command before any work with one
+    'error:' line naming the file and both counts, status 2, nothing written."""
+    n = 2 * 2 + 3 * 2  # debug-tiny: 2L-2L
+    good, bad = tmp_path / "good.init", tmp_path / "bad.init"
+    good.write_text("".join(f"{1 + i / 10}\n" for i in range(n)))
+    bad.write_text("".join(f"{1 + i / 10}\n" for i in range(n - 1)))
+    out = _train_cli(tmp_path / "ok", data_dir, 1, extra=[f"--profile={good}"]).out
+    assert f"[admin] using the profile {good}" in out and "profiled omega" not in out, out[-2000:]
+    used = json.loads((tmp_path / "ok/admin_profile.json").read_text())
+    assert [s["omega"] for s in used["sublayers"]] == pytest.approx([1 + i / 10 for i in range(n)])
+    proc = _train_cli(tmp_path / "no", data_dir, 1, extra=[f"--profile={bad}"], wait=False)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 2, out[-2000:]
+    errors = [line for line in out.splitlines() if line.startswith("error:") or "Traceback" in line]
+    assert errors == [f"error: {bad}: 9 omega values; the model has 4 encoder + 6 decoder = 10 sub-layers (2L-2L)"]
+    assert not any((tmp_path / "no" / name).exists() for name in ("run_config.json", "admin_profile.json", "checkpoints"))
+
+
+@needs_data
+def test_multi30k_recipe_trains_on_the_real_corpus(tmp_path):
+    """launch/configs/multi30k_en_de.yaml, two updates on Multi30k prepared as the README says: the
+    config is valid, profiles omega on real text and trains; its recipe keeps the checkpoints the
+    README averages."""
+    from data_prep.prepare import main as prepare
+
+    from admin_ds.train.run_config import load_run_config
+
+    data = tmp_path / "m30k"
+    assert prepare(["en-de", str(data), "--raw-dir", str(DATA / "multi30k"), "--valid-prefix", "val",
+                    "--test-prefix", "test_2016_flickr", "--vocab-size", "8000", "--quiet"]) == 0
+    config = REPO / "launch/configs/multi30k_en_de.yaml"
+    run = load_run_config(str(config), [])
+    assert (run.model.build().init, run.model.build().norm_order) == ("admin", "post")
+    assert run.train.keep_last * run.train.save_interval_updates <= run.train.max_updates
+    cmd = [sys.executable, "launch/train.py", "--deepspeed_config", "ds_configs/zero1.json", "--config", str(config),
+           f"--data.path={data}", f"--train.run_dir={tmp_path / 'run'}", "--train.max_updates=2",
+           "--train.log_interval=1", "--train.final_eval=false"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "6L-6L 256/1024/4, init=admin, norm=post, vocabulary 8000" in proc.stdout
+    profile = json.loads((tmp_path / "run/admin_profile.json").read_text())
+    assert profile["tokens"]["src"] > 1000 and max(s["omega"] for s in profile["sublayers"]) > 1.5
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r["kind"] == "train"]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+

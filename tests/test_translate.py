@@ -185,6 +185,20 @@ def test_translate_matches_direct_call_and_fold(run_dir, input_file, lines, sing
     assert direct == out
 
 
+def test_translate_int8(run_dir, input_file, lines, single_rank_output):
+    """--int8: one line per input line, empty lines kept empty, most lines as fp32 translates them
+    (int8 rounding may flip near-ties of this 40-update model), and the summary says int8;
+    combinations that cannot be int8 are refused with a one-line error."""
+    out = cli("translate.py", "--checkpoint", run_dir, "--input", input_file, "--quiet", "--int8")
+    int8 = ok(out).splitlines()
+    assert len(int8) == len(lines) and ", int8;" in out.stderr
+    assert all(o == "" for o, line in zip(int8, lines) if not line.strip())
+    same = sum(a == b for a, b in zip(int8, single_rank_output) if a)
+    assert same >= 0.5 * sum(1 for line in lines if line.strip()), (same, len(lines))
+    refused(cli("translate.py", "--checkpoint", run_dir, "--input", input_file, "--int8", "--dtype", "bf16"),
+            "--int8")
+
+
 def test_translate_nbest_from_stdin(run_dir, lines, single_rank_output):
     text = "".join(f"{line}\n" for line in lines)
     rows = [r.split("\t") for r in ok(cli("translate.py", "--checkpoint", run_dir, "--input", "-",
@@ -346,11 +360,13 @@ def test_bad_input_gives_clear_messages(run_dir, input_file, tmp_path):
     from admin_ds.inference.model_file import ModelFileError, load_any
 
     refused(cli("translate.py", "--checkpoint", tmp_path / "missing", "--input", input_file),
-            "missing: no such run directory, checkpoint directory or model file")
+            "argument --checkpoint: no such file or directory")
     torn = tmp_path / "torn_run"
     shutil.copytree(run_dir / "checkpoints/update_000010", torn / "checkpoints/update_000010")
     (torn / "checkpoints/update_000010/COMPLETE").unlink()
     refused(cli("translate.py", "--checkpoint", torn, "--input", input_file), "no complete, intact checkpoint")
+    with pytest.raises(ModelFileError, match="missing: no such run directory, checkpoint directory or model file"):
+        load_any(tmp_path / "missing")
     with pytest.raises(ModelFileError, match="checkpoint is incomplete"):
         load_any(torn / "checkpoints/update_000010")
     with pytest.raises(ModelFileError, match="not an admin-ds model file"):

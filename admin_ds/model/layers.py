@@ -16,6 +16,7 @@ This file imports torch, config.py and residual.py only: no deepspeed, no torch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -163,19 +164,24 @@ class IncrementalState:
 
 class Unpadded:
     """The real tokens of a padded (B, S) batch, flattened to (N, D) rows: position-wise work (the
-    linear layers, LayerNorm, residuals) runs on N rows instead of B * S; attention scatters back
-    into the padded layout. An inference path: a batch of mixed lengths skips its padding."""
+    linear layers, LayerNorm, residuals, the output projection) runs on N rows instead of B * S;
+    attention scatters back into the padded layout. Decoding skips a mixed-length batch's source
+    padding; training skips all of it (``EncoderDecoder.forward(..., skip_padding=True)``).
+
+    Sizes are read from the mask's shape, not kept as Python numbers, so a compiled layer that
+    receives one sees symbolic sizes rather than a constant to recompile for at every shape."""
 
     def __init__(self, pad_mask: torch.Tensor) -> None:
-        self.batch, self.length = pad_mask.shape
+        self.pad_mask = pad_mask
         self.index = (~pad_mask).reshape(-1).nonzero().squeeze(1)  # (N,) into the flattened B * S
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, ...) -> (N, ...)
-        return x.reshape(self.batch * self.length, *x.shape[2:]).index_select(0, self.index)
+        return x.flatten(0, 1).index_select(0, self.index)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:  # (N, ...) -> (B, S, ...), zeros at padding
-        out = x.new_zeros(self.batch * self.length, *x.shape[1:])
-        return out.index_copy_(0, self.index, x).view(self.batch, self.length, *x.shape[1:])
+        b, s = self.pad_mask.shape
+        out = x.new_zeros(b * s, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(b, s, *x.shape[1:])
 
 
 class MultiheadAttention(nn.Module):
@@ -201,17 +207,21 @@ class MultiheadAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, memory: Optional[torch.Tensor] = None,
                 key_padding_mask: Optional[torch.Tensor] = None, causal: bool = False,
-                state: Optional[IncrementalState] = None,
-                unpadded: Optional[Unpadded] = None) -> torch.Tensor:
+                state: Optional[IncrementalState] = None, unpadded: Optional[Unpadded] = None,
+                memory_unpadded: Optional[Unpadded] = None) -> torch.Tensor:
         """query (B, T, D); memory (B, S, D) for encoder-attention, None for self-attention;
         key_padding_mask (B, S) bool, True at padding. With ``state``, ``query`` holds only the
         newest target position(s) and keys/values come from (and go to) the cache. With
-        ``unpadded`` (self-attention only), ``query`` is (N, D): the real tokens of the batch."""
+        ``unpadded``, ``query`` is (N, D): the real tokens of the batch (and so are self-attention's
+        keys); with ``memory_unpadded``, ``memory`` is (N_S, D) likewise."""
         if state is None:
             src = query if memory is None else memory
             q, k, v = (proj(x) for proj, x in ((self.q_proj, query), (self.k_proj, src), (self.v_proj, src)))
+            keys_unpadded = unpadded if memory is None else memory_unpadded
             if unpadded is not None:
-                q, k, v = unpadded.pad(q), unpadded.pad(k), unpadded.pad(v)
+                q = unpadded.pad(q)
+            if keys_unpadded is not None:
+                k, v = keys_unpadded.pad(k), keys_unpadded.pad(v)
             mask = None if key_padding_mask is None else ~key_padding_mask[:, None, None, :]
             if causal and mask is not None:  # SDPA takes a mask or is_causal, not both
                 t = q.size(-2)
@@ -356,13 +366,39 @@ class DecoderLayer(_SubLayers):
         self.final_layer_norm = scheme.make_norm(d)
         self.ffn_residual = scheme.make_residual(d, "decoder", base + 3)
 
+    # fairseq's decoder masks padded target keys in self-attention as well as future ones. Real
+    # positions never see a padded key (right padding, causal), so the mask changes only the
+    # outputs at padded positions, which the loss ignores: training may drop it (False) and let
+    # SDPA run its causal kernels (flash attention on a GPU) instead of reading a (B, T, T) mask.
+    # Admin's reference profiling counts padded positions, so profiling always masks
+    # (``padded_target_keys_masked``); tests/test_fast_paths.py shows the loss and gradients unchanged.
+    mask_padded_keys: bool = True
+
     def forward(self, y: torch.Tensor, enc: torch.Tensor, src_pad: Optional[torch.Tensor],
-                state: Optional[IncrementalState] = None, tgt_pad: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """y (B, T, D); ``tgt_pad`` (B, T) True at target padding: fairseq's decoder masks padded
-        keys in self-attention too. Real positions never see them (right padding, causal), but the
-        padded positions' outputs differ, and Admin's reference profiling counts them."""
-        y = self.sublayer(y, lambda h: self.self_attn(h, key_padding_mask=tgt_pad, causal=True, state=state),
+                state: Optional[IncrementalState] = None, tgt_pad: Optional[torch.Tensor] = None,
+                unpadded: Optional[Unpadded] = None, enc_unpadded: Optional[Unpadded] = None) -> torch.Tensor:
+        """y (B, T, D), or (N_T, D) real tokens only with ``unpadded``; ``enc`` (B, S, D), or
+        (N_S, D) with ``enc_unpadded``; ``tgt_pad`` (B, T) True at target padding (see
+        ``mask_padded_keys``)."""
+        self_pad = tgt_pad if self.mask_padded_keys else None
+        y = self.sublayer(y, lambda h: self.self_attn(h, key_padding_mask=self_pad, causal=True, state=state,
+                                                      unpadded=unpadded),
                           self.self_attn_layer_norm, self.self_attn_residual)
-        y = self.sublayer(y, lambda h: self.encoder_attn(h, enc, key_padding_mask=src_pad, state=state),
+        y = self.sublayer(y, lambda h: self.encoder_attn(h, enc, key_padding_mask=src_pad, state=state,
+                                                         unpadded=unpadded, memory_unpadded=enc_unpadded),
                           self.encoder_attn_layer_norm, self.encoder_attn_residual)
         return self.sublayer(y, self.ffn, self.final_layer_norm, self.ffn_residual)
+
+
+@contextlib.contextmanager
+def padded_target_keys_masked(model: nn.Module):
+    """Every decoder layer of ``model`` masks padded target keys while the block runs (profiling)."""
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    saved = [layer.mask_padded_keys for layer in layers]
+    for layer in layers:
+        layer.mask_padded_keys = True
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, saved):
+            layer.mask_padded_keys = value

@@ -40,6 +40,7 @@ from torch import nn
 
 from admin_ds import files
 from admin_ds.errors import ProfileError
+from admin_ds.model.layers import padded_target_keys_masked
 from admin_ds.model.residual import OmegaResidual, Residual, attach_recorder, iter_residuals
 
 FORMULAS = ("reference", "paper")
@@ -292,7 +293,10 @@ def profile_residuals(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
     was_training = model.training
     model.train()  # the reference profiles with dropout on
     try:
-        with attach_recorder(model, recorder):
+        # Eager even where the layers are compiled (the recorder's statistics and reductions are
+        # side effects a graph cannot hold); padded target keys masked, as the reference does.
+        with attach_recorder(model, recorder), torch.compiler.set_stance("force_eager"), \
+                padded_target_keys_masked(model):
             model(src, tgt_in)
     finally:
         model.train(was_training)

@@ -24,6 +24,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from admin_ds.model.config import ModelConfig
 from admin_ds.model.init import get_init_scheme
@@ -106,6 +107,15 @@ class EncoderDecoder(nn.Module):
         pre = cfg.norm_order == "pre"
         self.encoder_layer_norm = nn.LayerNorm(cfg.model_dim) if pre and part.encoder_norm else None
         self.decoder_layer_norm = nn.LayerNorm(cfg.model_dim) if pre and part.decoder_norm else None
+        # Per-layer activation checkpointing while training: each layer keeps only its input, and
+        # the backward recomputes the rest (same dropout masks: the RNG state is replayed), so a
+        # 60L-100L model trains in the memory of a few layers' activations for ~1/3 more compute.
+        self.activation_checkpointing = False
+
+    def _run(self, layer: nn.Module, *args) -> torch.Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
 
     @property
     def target_embedding(self) -> TokenEmbedding:
@@ -156,15 +166,7 @@ class EncoderDecoder(nn.Module):
         ``skip_padding`` (decoding): position-wise layers run on the real tokens only, and the
         output is zero at padding (which attention never reads) instead of the values the padded
         computation leaves there. Real positions are the same either way."""
-        src_pad = src_tokens.eq(self.pad_idx)
-        x = self.embed_source(src_tokens)
-        unpadded = Unpadded(src_pad) if skip_padding and bool(src_pad.any()) else None
-        if unpadded is not None:
-            x = unpadded.unpad(x)
-        for layer in self.encoder_layers:
-            x = layer(x, src_pad, unpadded)
-        if self.encoder_layer_norm is not None:
-            x = self.encoder_layer_norm(x)
+        x, src_pad, unpadded = self._encoder_stack(src_tokens, skip_padding)
         return (x if unpadded is None else unpadded.pad(x)), src_pad
 
     def decode(self, tgt_in_tokens: torch.Tensor, enc: torch.Tensor, src_pad: torch.Tensor,
@@ -173,17 +175,54 @@ class EncoderDecoder(nn.Module):
         the new position(s); their positions continue from ``state.length``."""
         y = self.embed_target(tgt_in_tokens, 0 if state is None else state.length)
         tgt_pad = None if state is not None else tgt_in_tokens.eq(self.pad_idx)
-        for layer in self.decoder_layers:
-            y = layer(y, enc, src_pad, state, tgt_pad)
-        if self.decoder_layer_norm is not None:
-            y = self.decoder_layer_norm(y)
+        y = self._decoder_stack(y, enc, src_pad, state, tgt_pad)
         if state is not None:
             state.length += tgt_in_tokens.size(1)
         return self.project(y)
 
-    def forward(self, src_tokens: torch.Tensor, tgt_in_tokens: torch.Tensor) -> torch.Tensor:
-        enc, src_pad = self.encode(src_tokens)
-        return self.decode(tgt_in_tokens, enc, src_pad)
+    def forward(self, src_tokens: torch.Tensor, tgt_in_tokens: torch.Tensor, skip_padding: bool = False) -> torch.Tensor:
+        """Logits (B, T, V); with ``skip_padding`` (training), (N_T, V) for the real target positions
+        only, in the row-major order of ``tgt_in_tokens != pad``.
+
+        Skipping padding: every position-wise product (projections, FFN, output layer) and norm
+        runs on the real tokens; attention alone scatters them into the padded layout. Padded
+        positions cost nothing and count for nothing (the loss ignores them, and real positions
+        never see them), so the loss and gradients are those of the padded computation
+        (tests/test_fast_paths.py), and a batch with 10-20% padding saves up to that share of the
+        products (attention still runs padded; MFU counts real tokens only).
+        Admin profiling counts padded positions (the reference does) and runs the padded path."""
+        if not skip_padding:
+            enc, src_pad = self.encode(src_tokens)
+            return self.decode(tgt_in_tokens, enc, src_pad)
+        enc, src_pad, enc_unpadded = self._encoder_stack(src_tokens, skip_padding=True)
+        tgt_pad = tgt_in_tokens.eq(self.pad_idx)
+        unpadded = Unpadded(tgt_pad) if bool(tgt_pad.any()) else None
+        y = self.embed_target(tgt_in_tokens)
+        if unpadded is not None:
+            y = unpadded.unpad(y)
+        y = self._decoder_stack(y, enc, src_pad, None, tgt_pad, unpadded, enc_unpadded)
+        return self.project(y).flatten(0, -2)
+
+    def _encoder_stack(self, src_tokens: torch.Tensor, skip_padding: bool):
+        """Embedding and encoder layers: (output, padding mask, Unpadded or None); the output is
+        (N_S, D) when padding was skipped, (B, S, D) otherwise."""
+        src_pad = src_tokens.eq(self.pad_idx)
+        x = self.embed_source(src_tokens)
+        unpadded = Unpadded(src_pad) if skip_padding and bool(src_pad.any()) else None
+        if unpadded is not None:
+            x = unpadded.unpad(x)
+        for layer in self.encoder_layers:
+            x = self._run(layer, x, src_pad, unpadded)
+        if self.encoder_layer_norm is not None:
+            x = self.encoder_layer_norm(x)
+        return x, src_pad, unpadded
+
+    def _decoder_stack(self, y, enc, src_pad, state=None, tgt_pad=None, unpadded=None, enc_unpadded=None):
+        for layer in self.decoder_layers:
+            y = self._run(layer, y, enc, src_pad, state, tgt_pad, unpadded, enc_unpadded)
+        if self.decoder_layer_norm is not None:
+            y = self.decoder_layer_norm(y)
+        return y
 
 
 def build_model(cfg: ModelConfig, seed: Optional[int] = None, part: Optional[ModelPart] = None,
@@ -202,6 +241,18 @@ def build_model(cfg: ModelConfig, seed: Optional[int] = None, part: Optional[Mod
     model.to_empty(device=device)
     scheme.initialize(model, seed)
     return model
+
+
+def compile_layers(model: nn.Module, **options) -> None:
+    """``torch.compile`` each encoder and decoder layer in place (``nn.Module.compile``), so
+    parameter names, hooks and checkpoints stay those of the eager model. Layer by layer rather
+    than the whole model: every layer of a stack has the same graph, compiled once and reused,
+    and the embedding, loss and engine code around them stay eager. Token buckets change shapes
+    from batch to batch, hence ``dynamic=True`` by default."""
+    options.setdefault("dynamic", True)
+    for stack in (model.encoder_layers, model.decoder_layers):
+        for layer in stack:
+            layer.compile(**options)
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

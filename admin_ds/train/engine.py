@@ -148,6 +148,9 @@ def resolve_ds_config(ds: dict, run, world: int, source: str = "ds_config") -> d
     if stages > 1 and zero >= 2:
         raise ConfigError(f"{source}: zero_optimization.stage={zero} with engine.pipeline_stages={stages}: "
                           "DeepSpeed supports ZeRO-0/1 only with pipeline parallelism")
+    if zero == 3 and run.engine.compile:
+        raise ConfigError(f"{source}: zero_optimization.stage=3 with engine.compile: ZeRO-3 gathers each "
+                          "layer's parameters in module hooks a compiled layer cannot hold; use ZeRO-1/2")
     if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
         raise ConfigError(f"{source}: bf16.enabled and fp16.enabled are both true")
     micro = ds.setdefault("train_micro_batch_size_per_gpu", 1)
@@ -218,15 +221,39 @@ def inverse_sqrt_factor(optim):
 
 
 def make_optimizer(optim):
+    """A builder of the run's optimizer over given parameters (DeepSpeed passes its own: the flat
+    fp32 partitions under ZeRO-1/2, the parameters themselves without ZeRO).
+
+    ``optim.implementation`` says how one step runs over many tensors; the arithmetic is the same
+    (tests/test_fast_paths.py): "foreach" updates all tensors with a few multi-tensor kernels,
+    "fused" with one kernel per step (torch's fused Adam/AdamW, CPU or GPU), "deepspeed" with
+    DeepSpeed's FusedAdam (built on first use), "loop" one tensor at a time in Python (torch's
+    reference, and its default on a CPU)."""
+    impl = optim.implementation
+
     def build(params):
         kw = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay)
-        if optim.optimizer == "radam":
-            return torch.optim.RAdam(params, **kw)
-        if optim.optimizer == "adamw":
-            return torch.optim.AdamW(params, **kw)
-        return torch.optim.Adam(params, **kw)
+        if impl == "deepspeed":
+            return _deepspeed_fused_adam(params, optim.optimizer == "adamw", kw)
+        if impl == "fused":
+            kw["fused"] = True
+        else:
+            kw["foreach"] = impl == "foreach"
+        cls = {"radam": torch.optim.RAdam, "adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[optim.optimizer]
+        return cls(params, **kw)
 
     return build
+
+
+def _deepspeed_fused_adam(params, adam_w_mode: bool, kw: dict):
+    try:
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(params, adam_w_mode=adam_w_mode, **kw)
+    except Exception as e:  # the op is compiled on first use: no compiler, no CUDA headers, ...
+        raise ConfigError(f"optim.implementation=deepspeed: DeepSpeed's FusedAdam does not build here "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); use "
+                          "'fused' or 'foreach'") from None
 
 
 def initialize(model: torch.nn.Module, run, ds: dict):
@@ -323,9 +350,9 @@ def write_omega(engine, profile, buffers_only: bool = False) -> None:
         values = {k: v for k, v in values.items() if k in buffers}
     write_params(engine, values)
     # Identical on every rank: gather a digest of the whole profile and compare.
-    digest = torch.tensor([sum(s.omega * (i + 1) for i, s in enumerate(profile.sublayers))], dtype=torch.float64)
+    digest = sum(s.omega * (i + 1) for i, s in enumerate(profile.sublayers))
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [torch.zeros_like(digest) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, digest)
-        if any(not torch.equal(g, gathered[0]) for g in gathered):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, digest)  # objects: any backend (NCCL takes GPU tensors only)
+        if any(g != gathered[0] for g in gathered):
             raise RuntimeError("omega differs between ranks after profiling")

@@ -67,8 +67,8 @@ def install_skip(engine) -> bool:
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if grads:  # one device sync for the whole check, at .item() below
             bad = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float().reshape(1)
-        else:
-            bad = torch.zeros(1)
+        else:  # on the parameters' device: NCCL reduces GPU tensors only
+            bad = torch.zeros(1, device=opt.param_groups[0]["params"][0].device)
         # Every rank steps exactly once per update (data-parallel and pipeline), so this
         # collective is matched; gradients differ between pipeline stages, so it must be global.
         if dist.is_initialized() and dist.get_world_size() > 1:

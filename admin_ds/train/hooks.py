@@ -6,8 +6,9 @@
 
 The loop and the runners call them at four points: after profiling, before each update, on each
 micro-batch loss (a callback may return a changed loss), and before each file DeepSpeed writes
-into a checkpoint. Tests inject real faults through them (tests/faults.py: SIGKILL, a full disk,
-NaN or spiking losses); the production loop itself carries no fault code.
+into a checkpoint. Tests inject real faults through them (tests/faults.py: SIGKILL, SIGSTOP, a
+signal during a checkpoint write, a full disk, NaN or spiking losses); the production loop itself
+carries no fault code.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Order of work (each step refuses bad input before the next one starts):
      decided before the engine is built), then the runner: model, engine (runners.py)
   4. resume, or establish the profile (distributed profiling, or a given profile) and write omega
   5. updates, with the log, validation and checkpoints at their intervals; the divergence guard
-     skips non-finite updates and rolls back on divergence (guard.py)
+     skips non-finite updates and rolls back on divergence (guard.py); after each update the ranks
+     agree whether a signal asked them to stop (preemption.py): then a checkpoint, and the summary
+     says ``requeue`` (launch/train.py exits with status 75)
   6. final checkpoint, validation loss, BLEU on the test split, summary
 
 The pieces know nothing of the layout: the runner does the steps (runners.py), the checkpoint
@@ -37,11 +39,13 @@ from admin_ds.model.config import ModelConfig
 from admin_ds.model.profiling import Profile, omega_table
 from admin_ds.model.transformer import count_parameters
 from admin_ds.train import engine as eng
-from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_loading, describe
+from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_loading, describe, tag_for
 from admin_ds.train.guard import DivergenceGuard, apply_lr_scale
 from admin_ds.train.hooks import Hooks
+from admin_ds.train.preemption import REQUEUE_STATUS, StopSignals
 from admin_ds.train.run_config import RunConfig, dump_run_config
 from admin_ds.train.runners import LN2, Runner, make_runner
+from admin_ds.train.watchdog import Watchdog
 
 
 @dataclass
@@ -111,7 +115,7 @@ class Evaluator:
                                       self.cfg.pad_idx, self.cfg.eos_idx, seed=self.run.train.seed, num_replicas=r.dp,
                                       rank=r.dp_rank, shuffle=shuffle,
                                       max_positions=min(data.max_positions, self.cfg.max_positions),
-                                      required_multiple=r.dp * gas)
+                                      pad_to_multiple=data.pad_to_multiple, required_multiple=r.dp * gas)
         except ValueError as e:
             raise ConfigError(f"data.max_tokens={data.max_tokens}: {self.data_dir}, split {split}: {e}; raise "
                               f"data.max_tokens, or lower data.max_positions={data.max_positions} to drop longer "
@@ -165,6 +169,8 @@ class Training:
         self.runner: Optional[Runner] = None
         self.log: Optional[RunLog] = None
         self.lock: Optional[files.DirectoryLock] = None
+        self.stop = StopSignals()
+        self.watchdog: Optional[Watchdog] = None
 
     # ---- set-up --------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -173,6 +179,8 @@ class Training:
         eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s, run.engine.connect_timeout_s)
         self.rank, self.world = distributed.rank(), distributed.world_size()
         self._lock_run_dir()
+        self.watchdog = Watchdog(run.engine.dist_timeout_s)  # a rank that stops or dies is named
+        self.watchdog.start()
         self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
         self._check_world()
         self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
@@ -186,6 +194,7 @@ class Training:
         self.data_dir = self._data_dir()
         self.manifest = self._manifest()
         self.cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
+        self.given_profile = self._given_profile()
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", run.train.keep_last, self.log.info,
                                              self.hooks.on_checkpoint_write)
         # Before the engine: a layout change needs an engine built for universal loading.
@@ -212,6 +221,9 @@ class Training:
         self.state = TrainState()
         self.saved_update: Optional[int] = None
         self.profile: Optional[Profile] = None
+        # Dropout masks repeat from run to run, also when no profiling pass seeds them (a reused
+        # profile); a resumed run restores the checkpoint's RNG states instead.
+        torch.manual_seed(run.train.seed)
 
     def _lock_run_dir(self) -> None:
         """One training per run directory: rank 0 holds ``RUN_DIR/.lock`` for the whole run (the
@@ -234,6 +246,8 @@ class Training:
         layout = distributed.world_layout()
         self.log.info(f"[world] {layout['nodes']} node(s): " + ", ".join(
             f"{host} x {n}" for host, n in layout["ranks_per_node"].items()))
+        for line in distributed.describe_ranks(layout["ranks"]):
+            self.log.info(f"[world] {line}")
         e = self.run.engine
         for name, want, have in (("engine.expect_world_size", e.expect_world_size, layout["world_size"]),
                                  ("engine.expect_nodes", e.expect_nodes, layout["nodes"])):
@@ -271,6 +285,16 @@ class Training:
         return result
 
     # ---- profiling -----------------------------------------------------------------------------
+    def _given_profile(self) -> Optional[Profile]:
+        """``admin.profile``, read and checked against the model before any work: a file of another
+        architecture (or a deepnmt list of another length) is refused with nothing written."""
+        path = self.run.admin.profile
+        if not path or self.cfg.init != "admin":
+            return None
+        profile = Profile.load(path, self.cfg)
+        profile.check_matches(self.cfg)
+        return profile
+
     def profiling_batch(self) -> dict:
         """This rank's first micro-batch of the first epoch (batches split for the data-parallel
         size only): the batch the reference profiles on. When the training iterator has exactly
@@ -289,9 +313,9 @@ class Training:
         run, cfg = self.run, self.cfg
         if cfg.init != "admin":
             return
-        if run.admin.profile:
-            profile = Profile.load(run.admin.profile, cfg)
-            profile.check_matches(cfg)
+        self.watchdog.mark("profiling")
+        if self.given_profile is not None:
+            profile = self.given_profile
             self.log.info(f"[admin] using the profile {run.admin.profile} ({profile.formula})")
         else:
             t0 = time.perf_counter()
@@ -320,6 +344,7 @@ class Training:
 
     def save(self) -> None:
         t0 = time.perf_counter()
+        self.watchdog.mark(f"checkpoint {self.state.update}")
         tag = self.checkpoints.save(self.runner.engine, self.state.update, self.client_state())
         self.saved_update = self.state.update
         self.log.info(f"[checkpoint] saved {self.checkpoints.dir / tag} in {time.perf_counter() - t0:.1f}s")
@@ -377,6 +402,7 @@ class Training:
     def train_update(self) -> dict:
         """One optimizer update; the train state advances."""
         self.hooks.update_start(self.state.update + 1)
+        self.watchdog.mark(f"update {self.state.update + 1}")
         stats = self.runner.train_step([self.iterator.next_batch() for _ in range(self.ds["gradient_accumulation_steps"])])
         s = self.state
         s.update, s.epoch = s.update + 1, self.iterator.epoch
@@ -402,7 +428,8 @@ class Training:
                    desc="train", unit="upd", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
         t_start = time.perf_counter()
         window_tokens, window_t0 = 0, time.perf_counter()
-        last = {}
+        last, stopped = {}, None
+        self.stop.install()
         while self.state.update < run.train.max_updates:
             if run.train.max_epochs and self.iterator.epoch > run.train.max_epochs:
                 break
@@ -426,8 +453,9 @@ class Training:
                 last = {"update": u, "epoch": self.state.epoch, "loss": round(stats["loss"], 4),
                         "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
                         "lr": engine.get_lr()[0], "grad_norm": stats["grad_norm"],
-                        "loss_scale": engine.optimizer.cur_scale if self.layout["precision"] == "fp16" else None,
+                        "loss_scale": engine.optimizer.loss_scale if self.layout["precision"] == "fp16" else None,
                         "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"],
+                        "padding": stats["padding"],
                         "skipped_nonfinite": self.guard.state.skipped_nonfinite}
                 self.log.record("train", **last)
                 if self.rank == 0:
@@ -435,6 +463,7 @@ class Training:
                                          for k, v in last.items() if v is not None))
                 window_tokens, window_t0 = 0, time.perf_counter()
             if u % run.train.valid_interval_updates == 0 and u < run.train.max_updates:
+                self.watchdog.mark(f"validation after update {u}")
                 v = self.evaluator.valid_loss(run.data.valid_split)
                 self.log.record("valid", update=u, **v)
                 self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
@@ -446,16 +475,28 @@ class Training:
                     self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
             if u % run.train.save_interval_updates == 0 and u < run.train.max_updates:
                 self.save()
+            if u < run.train.max_updates:  # a signal after the last update changes nothing
+                stopped = self.stop.agreed(self.runner.device)
+                if stopped:
+                    break
         bar.close()
         train_s = time.perf_counter() - t_start
         if self.saved_update != self.state.update:  # decided locally: every rank agrees without I/O
             self.save()
+        self.stop.restore()  # only now: a second signal must not interrupt the save
+        if stopped:
+            u = self.state.update
+            self.log.record("stop", update=u, signals=stopped)
+            self.log.info(f"[stop] {stopped}: saved {self.checkpoints.dir / tag_for(u)} at update {u}; exit "
+                          f"status {REQUEUE_STATUS} (saved for requeue): the same command resumes from there")
+            return {"updates": u, "stopped_by": stopped, "requeue": True}
         return self._finish(train_s, last)
 
     def _finish(self, train_s: float, last: dict) -> dict:
         summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
                    "train_s": round(train_s, 1), "last_train_loss": last.get("loss")}
         bleu = None
+        self.watchdog.mark("final evaluation")
         if self.run.train.final_eval:
             v = self.evaluator.valid_loss(self.run.data.valid_split)
             self.log.record("valid", update=self.state.update, **v)
@@ -474,6 +515,8 @@ class Training:
     def close(self) -> None:
         import gc
 
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -498,6 +541,11 @@ def train(run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None) ->
         summary = training.fit()
         clean = True
         return summary
+    except RuntimeError as e:
+        if training.watchdog is not None:
+            training.watchdog.collective_failed(e)  # a rank missing: reports it and exits (status 3)
+        raise
     finally:
+        training.stop.restore()
         training.close()
         distributed.shutdown(clean)

@@ -358,6 +358,7 @@ def build_pipeline_module(stage: PipelineStage, loss_fn, activation_checkpointin
 def profiling(module, recorder, mask_padding: bool = False):
     """Route the stage's residuals through ``recorder`` and keep dropout on although
     ``eval_batch`` switches the module to eval mode (the reference profiles in train mode)."""
+    from admin_ds.model.layers import padded_target_keys_masked
     from admin_ds.model.residual import attach_recorder
 
     stage: PipelineStage = module._stage
@@ -366,7 +367,7 @@ def profiling(module, recorder, mask_padding: bool = False):
     module.train()
     stage.recorder, stage.mask_padding = recorder, mask_padding
     try:
-        with attach_recorder(stage.model, recorder):
+        with attach_recorder(stage.model, recorder), padded_target_keys_masked(stage.model):
             yield
     finally:
         stage.recorder, stage.mask_padding = None, False

@@ -53,6 +53,7 @@ class DataSection:
     path: Optional[str] = None  # binarized data dir with manifest.json; None: the embedded default
     max_tokens: int = 4096  # padded tokens per micro-batch (token bucket)
     max_positions: int = 256  # longer training pairs are dropped (and counted)
+    pad_to_multiple: int = 1  # pad batch lengths to a multiple (8 on GPUs: whole tensor-core tiles)
     valid_split: str = "valid"
     test_split: str = "test"
     default_pairs: int = 30000  # size of the embedded default corpus
@@ -78,6 +79,9 @@ class OptimSection:
     warmup_init_lr: float = 1e-7
     clip_norm: float = 0.0  # 0 disables; always passed to DeepSpeed explicitly (its default is 1.0)
     label_smoothing: float = 0.1
+    # How a step runs over the tensors (engine.py make_optimizer): "foreach" (multi-tensor kernels),
+    # "fused" (one kernel; adam/adamw), "deepspeed" (DeepSpeed's FusedAdam; adam/adamw), "loop".
+    implementation: str = "foreach"
 
 
 @dataclass
@@ -107,7 +111,17 @@ class EngineSection:
     connect_timeout_s: int = 120  # a rank that cannot reach the master gives up after this
     expect_world_size: Optional[int] = None  # refuse to start on any other number of ranks
     expect_nodes: Optional[int] = None  # refuse to start on any other number of nodes
-    activation_checkpointing: bool = False
+    # Speed and memory; none of these changes what is computed (tests/test_fast_paths.py).
+    # Position-wise work on real tokens only (data-parallel path). With dropout it draws other
+    # random numbers than the padded computation (none for padding): the same training in
+    # distribution, not number for number, so a run keeps the setting it started with.
+    skip_padding: bool = False
+    activation_checkpointing: bool = False  # recompute each layer's activations in the backward
+    compile: bool = False  # torch.compile each encoder and decoder layer (data-parallel path)
+    # Training's decoder self-attention also masks padded target keys, as fairseq does. Off, it is
+    # causal only (flash attention on a GPU); the loss and gradients are the same. Profiling
+    # always masks them.
+    mask_padded_target_keys: bool = False
 
 
 @dataclass
@@ -145,6 +159,11 @@ class RunConfig:
         need(self.admin.formula in ("reference", "paper"), "admin.formula", "must be 'reference' or 'paper'")
         need(self.optim.optimizer in ("radam", "adam", "adamw"), "optim.optimizer",
              "must be one of radam, adam, adamw")
+        need(self.optim.implementation in ("foreach", "fused", "deepspeed", "loop"), "optim.implementation",
+             "must be one of foreach, fused, deepspeed, loop")
+        need(self.optim.implementation in ("foreach", "loop") or self.optim.optimizer != "radam",
+             "optim.implementation", f"{self.optim.implementation!r} has Adam and AdamW only; RAdam runs "
+             "'foreach' (multi-tensor kernels) or 'loop'")
         need(self.optim.lr > 0, "optim.lr", "must be positive")
         need(self.optim.warmup_updates >= 0, "optim.warmup_updates", "must be >= 0")
         need(self.optim.clip_norm >= 0, "optim.clip_norm", "must be >= 0 (0 disables clipping)")
@@ -155,6 +174,9 @@ class RunConfig:
         need(self.train.save_interval_updates > 0, "train.save_interval_updates", "must be positive")
         need(self.train.keep_last >= 1, "train.keep_last", "must be >= 1")
         need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
+        need(not (self.engine.compile and self.engine.pipeline_stages > 1), "engine.compile",
+             "compiles the data-parallel path's layers; pipeline stages run eagerly")
+        need(self.data.pad_to_multiple >= 1, "data.pad_to_multiple", "must be >= 1")
         g = self.guard
         need(g.max_consecutive_nonfinite >= 0, "guard.max_consecutive_nonfinite", "must be >= 0 (0: never roll back)")
         need(g.spike_factor == 0 or g.spike_factor > 1, "guard.spike_factor", "must be > 1 (0: off)")

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from admin_ds import distributed
 from admin_ds.model.config import ModelConfig
+from admin_ds.model.flops import token_counts
 from admin_ds.model.profiling import OmegaRecorder, Profile, SublayerProfile, finalize_omega, measure_profile
 from admin_ds.model.residual import iter_residuals
-from admin_ds.model.transformer import build_model
+from admin_ds.model.transformer import build_model, compile_layers
 from admin_ds.train import engine as eng
 from admin_ds.train.guard import install_skip
 from admin_ds.train.hooks import Hooks
@@ -42,11 +43,15 @@ LN2 = math.log(2)
 
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, eps: float, pad_idx: int):
     """fairseq's label_smoothed_cross_entropy, summed over non-pad tokens, in float32:
-    loss = (1 - eps - eps/(V-1)) * nll + eps/(V-1) * sum_v -log p_v."""
-    lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, logits.size(-1))
+    loss = (1 - eps - eps/(V-1)) * nll + eps/(V-1) * sum_v -log p_v.
+    ``logits`` (B, T, V) for every position of ``target`` (B, T), or (N, V) for its real positions
+    only (the model's ``skip_padding`` output)."""
     target = target.reshape(-1)
     keep = target.ne(pad_idx)
-    lprobs, target = lprobs[keep], target[keep]
+    logits = logits.reshape(-1, logits.size(-1))
+    if logits.size(0) == target.numel():
+        logits = logits[keep]  # before the softmax: padded rows cost nothing
+    lprobs, target = F.log_softmax(logits.float(), dim=-1), target[keep]
     nll = -lprobs.gather(1, target[:, None]).squeeze(1)
     smooth = -lprobs.sum(dim=-1)
     eps_i = eps / (lprobs.size(-1) - 1)
@@ -103,17 +108,23 @@ class Runner:
         return []
 
     # ---- shared -------------------------------------------------------------------------------
-    def _counts(self, batches: list[dict]) -> tuple[int, int]:
-        """Target tokens and sentences of the whole update (every pipeline stage draws the same
-        batches, so reducing over the data-parallel group suffices)."""
-        local = torch.tensor([sum(b["ntokens"] for b in batches), sum(b["nsentences"] for b in batches)],
-                             dtype=torch.float64)
-        ntokens, nsentences = (int(v) for v in distributed.all_reduce_sum(local, self.dp_group))
-        return ntokens, nsentences
+    def _set_decoder_masking(self, model) -> None:
+        for layer in model.decoder_layers:
+            layer.mask_padded_keys = self.run.engine.mask_padded_target_keys
 
-    def _result(self, sums: torch.Tensor, ntokens: int, nsentences: int, grad_norm, skipped: bool) -> dict:
-        return {"loss": float(sums[0]) / ntokens / LN2, "nll": float(sums[1]) / ntokens / LN2,
-                "ntokens": ntokens, "nsentences": nsentences, "grad_norm": grad_norm, "skipped": skipped}
+    def _counts(self, batches: list[dict]) -> dict:
+        """Target tokens, sentences and the padding fraction of the whole update (every pipeline
+        stage draws the same batches, so reducing over the data-parallel group suffices)."""
+        real, positions = token_counts(batches, self.cfg.pad_idx)
+        local = torch.tensor([sum(b["ntokens"] for b in batches), sum(b["nsentences"] for b in batches),
+                              real, positions], dtype=torch.float64)
+        ntokens, nsentences, real, positions = distributed.all_reduce_sum(local, self.dp_group).tolist()
+        return {"ntokens": int(ntokens), "nsentences": int(nsentences), "padding": round(1 - real / positions, 4)}
+
+    def _result(self, sums: torch.Tensor, counts: dict, grad_norm, skipped: bool) -> dict:
+        n = counts["ntokens"]
+        return {"loss": float(sums[0]) / n / LN2, "nll": float(sums[1]) / n / LN2, **counts,
+                "grad_norm": grad_norm, "skipped": skipped}
 
     def _on_device(self, b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return b["src_tokens"].to(self.device), b["tgt_in_tokens"].to(self.device), b["target"].to(self.device)
@@ -142,18 +153,25 @@ class DataParallelRunner(Runner):
         super().__init__(run, ds, cfg, hooks)
         self.dp, self.dp_rank, self.dp_group = distributed.world_size(), self.rank, None
         model = build_model(cfg, seed=run.train.seed)  # per-layer generators: the same on every rank
+        self._set_decoder_masking(model)
+        self.skip_padding = run.engine.skip_padding
+        model.activation_checkpointing = run.engine.activation_checkpointing
+        if run.engine.compile:
+            compile_layers(model)
         self.engine = eng.initialize(model, run, ds)
         self.model = self.engine.module
         install_skip(self.engine)  # non-finite updates are skipped under every ZeRO stage
 
     def train_step(self, batches: list[dict]) -> dict:
-        ntokens, nsentences = self._counts(batches)
+        counts = self._counts(batches)
+        ntokens = counts["ntokens"]
         before = self.engine.skipped_steps
         sums = torch.zeros(2, dtype=torch.float64)
         grad_norm = None
         for i, b in enumerate(batches):
             src, tgt_in, target = self._on_device(b)
-            loss, nll = label_smoothed_nll(self.engine(src, tgt_in), target, self.eps, self.cfg.pad_idx)
+            loss, nll = label_smoothed_nll(self.engine(src, tgt_in, skip_padding=self.skip_padding), target,
+                                           self.eps, self.cfg.pad_idx)
             loss = self.hooks.loss(loss, self.rank)
             self.engine.backward(loss * (self.dp / ntokens), scale_wrt_gas=False)
             if i == len(batches) - 1 and eng.zero_stage(self.ds) == 0:
@@ -162,8 +180,7 @@ class DataParallelRunner(Runner):
             sums += torch.tensor([loss.item(), nll.item()], dtype=torch.float64)
         if grad_norm is None:
             grad_norm = _float(self.engine.get_global_grad_norm())
-        return self._result(distributed.all_reduce_sum(sums), ntokens, nsentences, grad_norm,
-                            self.engine.skipped_steps > before)
+        return self._result(distributed.all_reduce_sum(sums), counts, grad_norm, self.engine.skipped_steps > before)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:
@@ -171,7 +188,8 @@ class DataParallelRunner(Runner):
         self.engine.eval()
         for b in batches:
             src, tgt_in, target = self._on_device(b)
-            loss, nll = label_smoothed_nll(self.engine(src, tgt_in), target, self.eps, self.cfg.pad_idx)
+            loss, nll = label_smoothed_nll(self.engine(src, tgt_in, skip_padding=self.skip_padding), target,
+                                           self.eps, self.cfg.pad_idx)
             sums += torch.tensor([loss.item(), nll.item(), b["ntokens"]], dtype=torch.float64)
         self.engine.train()
         return distributed.all_reduce_sum(sums)
@@ -197,6 +215,7 @@ class PipelineRunner(Runner):
         stages = run.engine.pipeline_stages
         world = distributed.world_size()
         self.stage = PipelineStage(cfg, run.train.seed, stages, stage_of_rank(self.rank, world, stages))
+        self._set_decoder_masking(self.stage.model)
         module = build_pipeline_module(self.stage, loss_fn=self._loss,
                                        activation_checkpointing=run.engine.activation_checkpointing)
         self.engine = eng.initialize(module, run, ds)
@@ -225,14 +244,13 @@ class PipelineRunner(Runner):
         return iter([((src, tgt_in), target) for src, tgt_in, target in map(self._on_device, batches)])
 
     def train_step(self, batches: list[dict]) -> dict:
-        ntokens, nsentences = self._counts(batches)
+        counts = self._counts(batches)
         before = self.engine.skipped_steps
-        self._scale = self.dp * self.gas / ntokens
+        self._scale = self.dp * self.gas / counts["ntokens"]
         self._sums.zero_()
         self.engine.train_batch(data_iter=self._batches(batches))
         sums = distributed.all_reduce_sum(self._sums.clone())[:2]  # only last stages contributed
-        return self._result(sums, ntokens, nsentences, _float(self.engine.get_global_grad_norm()),
-                            self.engine.skipped_steps > before)
+        return self._result(sums, counts, _float(self.engine.get_global_grad_norm()), self.engine.skipped_steps > before)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[dict]) -> torch.Tensor:

@@ -1,0 +1,154 @@
+"""The stability atlas (launch/atlas.py): a 2x2 grid on Multi30k through the real command, its
+outcome rules on hand-made loss curves, and its refusals."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from admin_ds.train.atlas import OUTCOMES, AtlasGrid, Cell, classify, parse_depth, unigram_bits
+from distributed import REPO
+from shared_data import DATA, needs_data
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def atlas(*args, timeout=600):
+    return subprocess.run([sys.executable, "launch/atlas.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@needs_data
+def test_two_by_two_grid_through_the_command(tmp_path):
+    """post and admin x 1L-1L and 2L-2L, 3 updates each: every cell a complete run directory with
+    the same settings but its init and depth; atlas.json, atlas.md and the plots; a rerun skips
+    the finished cells and resumes the unfinished one."""
+    out = tmp_path / "atlas"
+    args = ["--raw-dir", DATA / "multi30k", "--vocab-size", 1000, "--out", out, "--inits", "post", "admin",
+            "--depths", 1, 2, "--lrs", 1e-3, "--updates", 3, "--valid-interval", 3, "--bleu-sentences", 5, "--max-tokens", 512,
+            "--jobs", 2, "--output-change-seeds", 1, "--model.dropout_p=0.2"]
+    first = atlas(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    result = json.loads((out / "atlas.json").read_text())
+    cells = {c["name"]: c for c in result["cells"]}
+    assert sorted(cells) == sorted(f"{i}_{d}_lr0.001_wu100" for i in ("post", "admin") for d in ("1L-1L", "2L-2L"))
+    configs = {}
+    for name, c in cells.items():
+        run_dir = out / "cells" / name
+        assert (run_dir / "summary.json").is_file() and (run_dir / "checkpoints" / "latest_complete").is_file()
+        assert c["outcome"] in OUTCOMES and [u for u, *_ in c["curve"]] == [1, 2, 3]
+        assert c["best_valid_nll"] is not None and c["bleu"] is not None  # validation BLEU, 5 sentences
+        run = json.loads((run_dir / "run_config.json").read_text())
+        over = run["model"].pop("overrides")
+        assert (over["init"], over["norm_order"]) == {"post": ("default", "post"), "admin": ("admin", "post")}[c["init"]]
+        assert over["num_encoder_layers"] == over["num_decoder_layers"] == int(c["depth"][0])
+        assert over["dropout_p"] == 0.2  # the extra setting reached every cell
+        for key in ("init", "norm_order", "num_encoder_layers", "num_decoder_layers"):
+            over.pop(key)
+        run["train"].pop("run_dir")
+        configs[name] = (run, over)
+        if c["init"] == "admin":  # its profile, per sub-layer
+            assert len(c["omega"]["encoder"]) == 2 * int(c["depth"][0])
+            assert len(c["omega"]["decoder"]) == 3 * int(c["depth"][0])
+        else:
+            assert "omega" not in c
+    assert all(v == next(iter(configs.values())) for v in configs.values())  # one protocol for every cell
+    assert result["output_change"]["inits"]["post"][0]["mean"] > 0
+    md = (out / "atlas.md").read_text()
+    assert "| depth | post | admin |" in md and "| 2L-2L |" in md and "python launch/atlas.py" in md
+    for png in ("loss_curves", "valid_vs_depth", "omega_admin", "output_change"):
+        data = (out / f"{png}.png").read_bytes()
+        assert data.startswith(PNG) and len(data) < 300_000
+        assert f"({png}.png)" in md
+
+    # rerun: nothing to do; then with one cell unfinished (its summary removed): that one resumes
+    summaries = {n: (out / "cells" / n / "summary.json").stat().st_mtime_ns for n in cells}
+    again = atlas(*args)
+    assert again.returncode == 0 and "4 cells: 4 finished (skipped), 0 to run" in again.stdout
+    (out / "cells" / "admin_2L-2L_lr0.001_wu100" / "summary.json").unlink()
+    resumed = atlas(*args)
+    assert "4 cells: 3 finished (skipped), 1 to run" in resumed.stdout
+    log = (out / "cells" / "admin_2L-2L_lr0.001_wu100" / "train.log").read_text()
+    assert "[resume] from" in log and "update 3" in log
+    for n, t in summaries.items():
+        if n != "admin_2L-2L_lr0.001_wu100":
+            assert (out / "cells" / n / "summary.json").stat().st_mtime_ns == t
+
+
+def _records(losses, warmup_nll=None, valid=(), skips=0):
+    recs = [{"kind": "train", "update": u, "loss": loss, "nll": loss - 0.3} for u, loss in losses]
+    recs += [{"kind": "valid", "update": u, "nll": nll} for u, nll in valid]
+    recs += [{"kind": "skip", "update": 1}] * skips
+    return recs
+
+
+@pytest.mark.parametrize("records,outcome", [
+    # loss falls well below the unigram model's 9 bits
+    (_records([(u, 12 - u / 20) for u in range(10, 110, 10)], valid=[(50, 8.0), (100, 7.2)]), "trained"),
+    # finite and falling a little, but the validation nll stays within 0.5 bits of the unigram model
+    (_records([(u, 10 - u / 500) for u in range(10, 110, 10)], valid=[(100, 8.7)]), "stalled"),
+    # at the end the loss is back above its value at the end of warmup (update 50)
+    (_records([(10, 12), (30, 10), (50, 8), (60, 8.1), (70, 7.9), (90, 9), (100, 9.5), (110, 9.6)],
+              valid=[(100, 8.0)]), "diverged"),
+    (_records([(10, 12), (50, 8), (100, math.nan)], valid=[(100, 7.0)]), "diverged"),
+    (_records([(10, 12), (50, 8), (100, 7)], valid=[(100, 7.0)], skips=2), "diverged"),
+])
+def test_outcome_rules(records, outcome):
+    got = classify(records, warmup=50, unigram_bits=9.0)
+    assert got["outcome"] == outcome, got
+    assert classify(records, warmup=50, unigram_bits=9.0, finished=False)["outcome"] == "failed"
+
+
+@needs_data
+def test_unigram_cross_entropy_by_hand(tmp_path):
+    """The stall threshold on a corpus small enough to count by hand: Multi30k's validation set
+    prepared as both training and validation split."""
+    from data_prep.prepare import main as prepare
+
+    out = tmp_path / "m30k"
+    assert prepare(["en-de", str(out), "--raw-dir", str(DATA / "multi30k"), "--train-prefix", "val",
+                    "--valid-prefix", "val", "--test-prefix", "test_2016_flickr", "--vocab-size", "500",
+                    "--workers", "1", "--quiet"]) == 0
+    from admin_ds.data.binarize import load_manifest, open_split
+
+    m = load_manifest(out)
+    counts = {}
+    train = open_split(out, "train", m)
+    for i in range(len(train)):
+        for t in list(train[i][1]) + [2]:
+            counts[t] = counts.get(t, 0) + 1
+    total, vocab = sum(counts.values()), m["vocab_size"]
+    valid = open_split(out, "valid", m)
+    bits = [-math.log2((counts.get(t, 0) + 1) / (total + vocab)) for i in range(len(valid))
+            for t in list(valid[i][1]) + [2]]
+    assert unigram_bits(out) == pytest.approx(sum(bits) / len(bits), rel=1e-9)
+
+
+def test_grid_cells_and_depths():
+    grid = AtlasGrid.for_scale("cpu", inits=["post", "admin"], depths=["6", "60-12"], lrs=[1e-3, 2e-3])
+    cells = grid.cells()
+    assert len(cells) == 8 and cells[0] == Cell("post", 6, 6, 1e-3, 100)
+    assert cells[-1].name == "admin_60L-12L_lr0.002_wu100"
+    assert parse_depth("60-12") == (60, 12) and parse_depth("18") == (18, 18)
+    gpu = AtlasGrid.for_scale("gpu")
+    assert (gpu.model_dim, gpu.ffn_inner_dim, gpu.num_heads, gpu.depths) == (512, 2048, 8, ["18", "60-12"])
+    args = gpu.overrides(Cell("admin", 60, 12, 1e-3, 4000), data_dir="D", run_dir="R")
+    assert "--model.num_encoder_layers=60" in args and "--model.num_decoder_layers=12" in args
+    assert "--model.model_dim=512" in args and not any(a.startswith("--train.bleu_max_sentences") for a in args)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--depths", "6-x"], "error: --depths: expected N or N-M with positive integers (e.g. 18, 60-12), got '6-x'"),
+    (["--lrs", "0"], "error: --lrs: learning rates must be positive, got [0.0]"),
+    (["--data", "/nonexistent"], "error: --data: /nonexistent has no manifest.json"),
+    (["--train.max_updates"], "error: unrecognised argument(s) --train.max_updates; cell settings are"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
+    if "--data" not in args:
+        args = ["--data", str(tmp_path), *args]
+    proc = atlas("--out", tmp_path / "out", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
