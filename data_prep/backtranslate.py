@@ -293,11 +293,11 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
     stats = {"read": len(syn_src), "empty": 0, "too_short": 0, "too_long": 0, "ratio": 0, "kept": 0}
     pairs = []
     enc_src, enc_tgt = encode_with_blanks(sp, syn_src), sp.encode(syn_tgt)
-    for s_text, t_text, s_ids, t_ids in zip(syn_src, syn_tgt, enc_src, enc_tgt):
+    reasons = length_filter([len(x) for x in enc_src], [len(x) for x in enc_tgt], f.min_len, f.max_len, f.ratio)
+    for s_text, t_text, s_ids, t_ids, reason in zip(syn_src, syn_tgt, enc_src, enc_tgt, reasons.tolist()):
         if not s_text.strip() or not t_text.strip():
             stats["empty"] += 1
             continue
-        reason = length_filter(len(s_ids), len(t_ids), f.min_len, f.max_len, f.ratio)
         if reason:
             stats[reason] += 1
             continue

@@ -1,10 +1,12 @@
 """The preparation steps, in order, each resumable (see :mod:`data_prep.steps`):
 
     clean     training pairs -> work/train.clean.{SRC,TGT}     decode, normalise, drop empty and
-                                                               duplicate pairs (parallel, ordered)
+                                                               duplicate pairs (sharded, ordered)
     subword   work/train.clean.* -> spm.model, spm.vocab       joint SentencePiece on a sample
     train     work/train.clean.* -> train.{SRC,TGT}.{bin,idx}  encode, length/ratio filter,
-                                                               binarize (parallel, ordered)
+                                                               binarize (sharded, ordered)
+
+The sharded steps' work is :mod:`data_prep.shards`; this module schedules it and concatenates.
     valid     dev pairs  -> valid.{SRC,TGT}.{bin,idx} + valid.{SRC,TGT} text (no filtering)
     test      test pairs -> test.{SRC,TGT}.{bin,idx}  + test.{SRC,TGT} text
     manifest  manifest.json: counts, checksums, filters, sources, options, command, versions
@@ -21,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,18 +31,17 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
+from admin_ds.data.binarize import MANIFEST, load_manifest, write_manifest
 from admin_ds.files import DirectoryLock, atomic_output
 from data_prep import PrepError
-from data_prep.clean import (DigestSet, PunctNormalizer, clean_chunk, decode_side, encode_chunk,
-                             init_clean_worker, init_encode_worker, normalize)
-from data_prep.steps import StepLog, chunked, make_key, ordered_map
+from data_prep.clean import PunctNormalizer, decode_side, normalize
+from data_prep.shards import (BUCKET_PAIRS, CleanShard, DropDuplicates, DuplicateBucket, EncodeShard,
+                              clean_shard, done, drop_duplicates, encode_shard, find_duplicates, shard_name)
+from data_prep.steps import StepLog, WorkerPool, chunked, make_key
 
 # Bump when a change to the code changes what a step writes: old step records then stop matching.
-PREP_VERSION = 1
-MANIFEST = "manifest.json"  # == admin_ds.data.binarize.MANIFEST (not imported: it pulls in torch)
-# Test hook: seconds to sleep per chunk while binarizing the training split, so that a test can
-# kill the process in the middle of that step.
-SLOW_ENV = "DATA_PREP_TEST_SLOW_BINARIZE"
+# 2: the clean step's record lists its shards (the train step encodes the same shards).
+PREP_VERSION = 2
 # The training-pair filters, in the order they apply (clean step: 5, binarize step: 3).
 TRAIN_DROPS = ("overlong", "malformed", "invalid_utf8", "empty", "duplicate", "too_short", "too_long", "ratio")
 
@@ -118,17 +120,18 @@ def _run_steps(plan: Plan, request_key: str, train_fp: list, eval_fp: dict, eval
     (plan.out / MANIFEST).unlink(missing_ok=True)
     plan.work.mkdir(exist_ok=True)
     steps = StepLog(plan.out, plan.work)
-    clean = _step(steps, "clean", {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
-                                   "train": train_fp, "max_line_bytes": plan.filters.max_line_bytes},
-                  lambda key: run_clean(plan, steps, key), log)
-    clean_digests = {k: v["sha256"] for k, v in clean["outputs"].items()}
-    subword = _step(steps, "subword", {"version": PREP_VERSION, "clean": clean_digests,
-                                       "options": asdict(plan.subword)},
-                    lambda key: run_subword(plan, steps, key), log)
-    spm_sha = subword["outputs"]["spm.model"]["sha256"]
-    train = _step(steps, "train", {"version": PREP_VERSION, "clean": clean_digests, "spm": spm_sha,
-                                   "filters": asdict(plan.filters)},
-                  lambda key: run_binarize_train(plan, steps, key, clean["stats"]["kept"]), log)
+    with WorkerPool(plan.workers) as pool:  # one set of workers for both sharded steps
+        clean = _step(steps, "clean", {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
+                                       "train": train_fp, "max_line_bytes": plan.filters.max_line_bytes},
+                      lambda key: run_clean(plan, steps, key, pool), log)
+        clean_digests = {k: v["sha256"] for k, v in clean["outputs"].items()}
+        subword = _step(steps, "subword", {"version": PREP_VERSION, "clean": clean_digests,
+                                           "options": asdict(plan.subword)},
+                        lambda key: run_subword(plan, steps, key), log)
+        spm_sha = subword["outputs"]["spm.model"]["sha256"]
+        train = _step(steps, "train", {"version": PREP_VERSION, "clean": clean_digests, "spm": spm_sha,
+                                       "filters": asdict(plan.filters)},
+                      lambda key: run_binarize_train(plan, steps, key, clean["stats"], pool), log)
     evals = {split: _step(steps, split, {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
                                          "source": eval_fp[split], "spm": spm_sha},
                           lambda key, split=split: run_eval_split(plan, steps, key, split,
@@ -159,14 +162,17 @@ def _step(steps: StepLog, name: str, inputs: dict, run: Callable[[str], dict], l
         log(f"[prep] {name}: already done (outputs verified), skipped")
         return record
     steps.invalidate(name)
-    return run(key)
+    try:
+        return run(key)
+    except PrepError:
+        # Bad input: the step's shards can never be reused (fixing the input changes the key).
+        shutil.rmtree(steps.work_dir / f"{name}.shards", ignore_errors=True)
+        raise
 
 
 def _complete(out: Path, request_key: str) -> bool:
     if not (out / MANIFEST).is_file():
         return False
-    from admin_ds.data.binarize import load_manifest
-
     try:
         return load_manifest(out, verify=True).get("prep_key") == request_key
     except (ValueError, FileNotFoundError, KeyError):
@@ -208,49 +214,125 @@ def _counts(d: dict) -> str:
 
 # ---- step: clean ------------------------------------------------------------------------------
 
-def run_clean(plan: Plan, steps: StepLog, key: str) -> dict:
-    """Raw training pairs -> normalised, non-empty, deduplicated text, in input order."""
+def run_clean(plan: Plan, steps: StepLog, key: str, pool: WorkerPool) -> dict:
+    """Raw training pairs -> normalised, non-empty, deduplicated text, in input order
+    (the phases are described in :mod:`data_prep.shards`)."""
     t0 = time.perf_counter()
     src_name, tgt_name = plan.clean_paths()
-    seen = DigestSet()
-    stats = {"read": 0, "overlong": 0, "malformed": 0, "invalid_utf8": 0, "empty": 0, "duplicate": 0}
-    total = sum(len(s) for s in plan.train) if all(hasattr(s, "__len__") for s in plan.train) else None
+    # Every range source is indexed first: two sides of different lengths fail before any work.
+    ranges = [source.shards(plan.chunk_lines) for source in plan.train]
+    phases = {"index": time.perf_counter() - t0}  # seconds of each phase, for the benchmark
+    directory = shard_folder(plan, "clean", key, {"chunk_lines": plan.chunk_lines})
+    shard_stats: dict[int, dict] = {}
+    read_drops = [{} for _ in plan.train]  # counted here for sources read by this process
+    owner: list[int] = []  # the source of each shard
+    reused: dict[int, dict] = {}
 
-    def raw_pairs():
-        for source in plan.train:
+    def clean_tasks():
+        for i, source in enumerate(plan.train):
             plan.log(f"[prep] clean: reading {source.describe()}")
-            yield from source
-            for name, n in source.dropped.items():
-                stats[name] += n
-                if n:
-                    plan.log(f"warning: {source.describe()}: {n} pairs dropped ({name})")
+            parts = ((r, None) for r in ranges[i]) if ranges[i] is not None else \
+                ((None, pairs) for pairs in chunked(source, plan.chunk_lines))
+            for byte_range, pairs in parts:
+                index = len(owner)
+                owner.append(i)
+                if (record := done(directory, shard_name(index))) is not None:
+                    shard_stats[index] = reused[index] = record
+                    continue
+                yield CleanShard(directory, index, (plan.src, plan.tgt), source, byte_range, pairs)
+            if ranges[i] is None:
+                read_drops[i] = dict(source.dropped)
 
-    kept = 0
-    chunks = ordered_map(clean_chunk, chunked(raw_pairs(), plan.chunk_lines), plan.workers,
-                         init_clean_worker, (plan.src, plan.tgt))
-    with atomic_output(plan.out / src_name) as f_src, atomic_output(plan.out / tgt_name) as f_tgt, \
-            tqdm(total=total, unit=" pairs", desc="clean", disable=plan.quiet or None, mininterval=1) as bar:
-        for chunk in chunks:
-            fresh = seen.add_new(chunk.digests)
-            for name, n in chunk.dropped.items():
-                stats[name] += n
-            stats["duplicate"] += int(fresh.size - fresh.sum())
-            idx = np.flatnonzero(fresh)
-            if idx.size:
-                f_src.write(("\n".join(chunk.src[i] for i in idx) + "\n").encode("utf-8"))
-                f_tgt.write(("\n".join(chunk.tgt[i] for i in idx) + "\n").encode("utf-8"))
-            kept += int(idx.size)
-            bar.update(len(chunk.src) + sum(chunk.dropped.values()))
-        stats["read"] = kept + sum(v for k, v in stats.items() if k != "read")
-        stats["kept"] = kept
-        if kept == 0:  # raised inside the with: the empty outputs are discarded
-            raise PrepError(f"no training pairs left after cleaning {', '.join(s.describe() for s in plan.train)} "
-                            f"({_counts(stats)})")
+    with tqdm(unit=" pairs", desc="clean", disable=plan.quiet or None, mininterval=1) as bar:
+        for task, record in _tasks_and_results(pool, clean_shard, clean_tasks()):
+            shard_stats[task.index] = record
+            bar.update(record["pairs"] + record["invalid_utf8"] + record["empty"]
+                       + record.get("overlong", 0) + record.get("malformed", 0))
+        phases["clean"] = time.perf_counter() - t0 - sum(phases.values())
+        n_shards = len(owner)
+        if reused:
+            plan.log(f"[prep] clean: {len(reused)} of {n_shards} shards left from an earlier run reused")
+        shard_pairs = [shard_stats[i]["pairs"] for i in range(n_shards)]
+        buckets = max(1, -(-sum(shard_pairs) // BUCKET_PAIRS))
+        dup_stats = [done(directory, f"dup.{b}") for b in range(buckets)]
+        for task, record in _tasks_and_results(pool, find_duplicates, [
+                DuplicateBucket(directory, b, buckets, shard_pairs) for b in range(buckets) if dup_stats[b] is None]):
+            dup_stats[task.bucket] = record
+        phases["duplicates"] = time.perf_counter() - t0 - sum(phases.values())
+        starts = np.concatenate(([0], np.cumsum(shard_pairs, dtype=np.int64)))
+        kept_stats = {i: record for i in range(n_shards) if (record := done(directory, f"{shard_name(i)}.kept"))}
+        for task, record in _tasks_and_results(pool, drop_duplicates, [
+                DropDuplicates(directory, i, int(starts[i]), buckets) for i in range(n_shards) if i not in kept_stats]):
+            kept_stats[task.index] = record
+        phases["drop"] = time.perf_counter() - t0 - sum(phases.values())
+
+    stats = {"read": 0, "overlong": 0, "malformed": 0, "invalid_utf8": 0, "empty": 0, "duplicate": 0}
+    for i, source in enumerate(plan.train):
+        dropped = dict(read_drops[i])
+        for index in (k for k in range(n_shards) if owner[k] == i):
+            for name in ("overlong", "malformed"):
+                dropped[name] = dropped.get(name, 0) + shard_stats[index].get(name, 0)
+        for name, n in dropped.items():
+            stats[name] += n
+            if n:
+                plan.log(f"warning: {source.describe()}: {n} pairs dropped ({name})")
+    for i in range(n_shards):
+        stats["invalid_utf8"] += shard_stats[i]["invalid_utf8"]
+        stats["empty"] += shard_stats[i]["empty"]
+        stats["duplicate"] += kept_stats[i]["duplicate"]
+    kept = stats["kept"] = sum(kept_stats[i]["kept"] for i in range(n_shards))
+    stats["read"] = kept + sum(v for k, v in stats.items() if k not in ("read", "kept"))
+    if kept == 0:
+        raise PrepError(f"no training pairs left after cleaning {', '.join(s.describe() for s in plan.train)} "
+                        f"({_counts(stats)})")
+    # The shards' kept text, concatenated in order, is the cleaned corpus; the train step
+    # encodes the same shards as byte ranges of it.
+    with atomic_output(plan.out / src_name) as f_src, atomic_output(plan.out / tgt_name) as f_tgt:
+        for i in range(n_shards):
+            for f, side in ((f_src, "src"), (f_tgt, "tgt")):
+                with open(directory / f"{shard_name(i)}.kept.{side}", "rb") as part:
+                    shutil.copyfileobj(part, f, 1 << 20)
+    phases["concatenate"] = time.perf_counter() - t0 - sum(phases.values())
+    stats["shards"] = [[kept_stats[i][k] for k in ("kept", "src_bytes", "tgt_bytes")] for i in range(n_shards)]
+    stats["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
+    stats["worker_seconds"], stats["worker_cpu_seconds"] = ({
+        name: round(sum(r[field] for r in records), 3)
+        for name, records in (("clean", shard_stats.values()), ("duplicates", dup_stats), ("drop", kept_stats.values()))}
+        for field in ("seconds", "cpu_seconds"))
     dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
     drops = _counts({k: v for k, v in stats.items() if k in TRAIN_DROPS}) or "none dropped"
     plan.log(f"[prep] clean: {stats['read']} pairs read, {kept} kept ({drops}); "
-             f"{dt:.1f}s, {stats['read'] / max(dt, 1e-9):.0f} pairs/s; duplicate filter {seen.nbytes / 2**20:.0f} MiB")
-    return steps.mark_done("clean", key, [src_name, tgt_name], stats)
+             f"{dt:.1f}s, {stats['read'] / max(dt, 1e-9):.0f} pairs/s with {plan.workers} worker(s), "
+             f"{n_shards} shards, {buckets} duplicate bucket(s)")
+    record = steps.mark_done("clean", key, [src_name, tgt_name], stats)
+    shutil.rmtree(directory, ignore_errors=True)
+    return record
+
+
+def shard_folder(plan: Plan, step: str, key: str, layout) -> Path:
+    """work/STEP.shards, kept when it holds shards of this step key and layout (a resumed run),
+    else emptied."""
+    directory = plan.work / f"{step}.shards"
+    ident = make_key({"step": key, "layout": layout})
+    stamp = directory / "KEY"
+    if not (stamp.is_file() and stamp.read_text() == ident):
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        stamp.write_text(ident)
+    return directory
+
+
+def _tasks_and_results(pool: WorkerPool, func: Callable, tasks):
+    """(task, func(task)) pairs, in task order."""
+    sent: deque = deque()
+
+    def remember():
+        for task in tasks:
+            sent.append(task)
+            yield task
+
+    for result in pool.map(func, remember()):
+        yield sent.popleft(), result
 
 
 # ---- step: subword model ----------------------------------------------------------------------
@@ -283,57 +365,55 @@ def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
 
 # ---- step: binarize the training split --------------------------------------------------------
 
-def run_binarize_train(plan: Plan, steps: StepLog, key: str, total: int) -> dict:
-    """Encode the cleaned pairs in worker processes, drop those outside the length and ratio
-    limits, and stream the rest into train.{SRC,TGT}.{bin,idx} in input order."""
-    from admin_ds.data.indexed import IndexedDatasetWriter
-    from admin_ds.data.subword import UNK, SubwordModel
+def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict, pool: WorkerPool) -> dict:
+    """Encode the cleaned pairs shard by shard in worker processes, drop those outside the
+    length and ratio limits, and concatenate the shards into train.{SRC,TGT}.{bin,idx}."""
+    from admin_ds.data.indexed import IndexedDataset, IndexedDatasetWriter
+    from admin_ds.data.subword import SubwordModel
 
     t0 = time.perf_counter()
     vocab = SubwordModel(plan.out / "spm.model").vocab_size
-    src_name, tgt_name = plan.clean_paths()
-    slow = float(os.environ.get(SLOW_ENV, "0") or 0)
-
-    def cleaned_pairs():
-        with open(plan.out / src_name, "rb") as fs, open(plan.out / tgt_name, "rb") as ft:
-            for s, t in zip(fs, ft):
-                yield s.rstrip(b"\n"), t.rstrip(b"\n")
-
+    layout = clean_stats["shards"]  # [lines, src bytes, tgt bytes] of each shard, in order
+    directory = shard_folder(plan, "train", key, layout)
+    clean_files = tuple(str(plan.out / name) for name in plan.clean_paths())
+    offsets = np.cumsum([[0, 0]] + [[s, t] for _, s, t in layout], axis=0)
     f = plan.filters
-    stats = {"too_short": 0, "too_long": 0, "ratio": 0, "kept": 0, "src_tokens": 0, "tgt_tokens": 0,
-             "src_unk": 0, "tgt_unk": 0}
-    chunks = ordered_map(encode_chunk, chunked(cleaned_pairs(), plan.chunk_lines), plan.workers,
-                         init_encode_worker, (str(plan.out / "spm.model"), f.min_len, f.max_len, f.ratio))
+    shard_stats = {i: record for i in range(len(layout)) if (record := done(directory, shard_name(i)))}
+    if shard_stats:
+        plan.log(f"[prep] train: {len(shard_stats)} of {len(layout)} shards left from an earlier run reused")
+    tasks = [EncodeShard(directory, i, clean_files, (int(offsets[i, 0]), int(offsets[i + 1, 0])),
+                         (int(offsets[i, 1]), int(offsets[i + 1, 1])), str(plan.out / "spm.model"),
+                         f.min_len, f.max_len, f.ratio)
+             for i in range(len(layout)) if i not in shard_stats]
+    with tqdm(total=clean_stats["kept"], unit=" pairs", desc="binarize", disable=plan.quiet or None,
+              mininterval=1) as bar:
+        for task, record in _tasks_and_results(pool, encode_shard, tasks):
+            shard_stats[task.index] = record
+            bar.update(layout[task.index][0])
+    phases = {"encode": time.perf_counter() - t0}
+    stats = {k: sum(shard_stats[i][k] for i in range(len(layout)))
+             for k in ("too_short", "too_long", "ratio", "kept", "src_tokens", "tgt_tokens", "src_unk", "tgt_unk")}
+    if stats["kept"] == 0:
+        raise PrepError(f"no training pairs left after the length filters "
+                        f"({f.min_len}..{f.max_len} subwords, ratio {f.ratio}): {_counts(stats)}")
     with IndexedDatasetWriter(plan.out / f"train.{plan.src}", vocab) as w_src, \
-            IndexedDatasetWriter(plan.out / f"train.{plan.tgt}", vocab) as w_tgt, \
-            tqdm(total=total, unit=" pairs", desc="binarize", disable=plan.quiet or None, mininterval=1) as bar:
-        for chunk in chunks:
-            for side, writer, ids, lens in (("src", w_src, chunk.src_ids, chunk.src_lens),
-                                            ("tgt", w_tgt, chunk.tgt_ids, chunk.tgt_lens)):
-                _add_sentences(writer, ids, lens)
-                stats[f"{side}_tokens"] += int(ids.size)
-                stats[f"{side}_unk"] += int(np.count_nonzero(ids == UNK))
-            for name, n in chunk.dropped.items():
-                stats[name] += n
-            stats["kept"] += int(chunk.src_lens.size)
-            bar.update(int(chunk.src_lens.size) + sum(chunk.dropped.values()))
-            if slow:
-                time.sleep(slow)
-        if stats["kept"] == 0:
-            raise PrepError(f"no training pairs left after the length filters "
-                            f"({f.min_len}..{f.max_len} subwords, ratio {f.ratio}): {_counts(stats)}")
+            IndexedDatasetWriter(plan.out / f"train.{plan.tgt}", vocab) as w_tgt:
+        for i in range(len(layout)):
+            w_src.append(IndexedDataset(directory / f"{shard_name(i)}.src"))
+            w_tgt.append(IndexedDataset(directory / f"{shard_name(i)}.tgt"))
+    phases["merge"] = time.perf_counter() - t0 - phases["encode"]
+    stats["phase_seconds"] = {k: round(v, 3) for k, v in phases.items()}
+    stats["worker_seconds"], stats["worker_cpu_seconds"] = (
+        {"encode": round(sum(shard_stats[i][field] for i in range(len(layout))), 3)} for field in ("seconds", "cpu_seconds"))
     dt = stats["seconds"] = round(time.perf_counter() - t0, 3)
+    total = clean_stats["kept"]
     plan.log(f"[prep] train: {stats['kept']} pairs binarized (dropped: too_short {stats['too_short']}, "
              f"too_long {stats['too_long']}, ratio {stats['ratio']}); {dt:.1f}s, {total / max(dt, 1e-9):.0f} pairs/s "
              f"with {plan.workers} worker(s)")
     outputs = [f"train.{lang}.{ext}" for lang in (plan.src, plan.tgt) for ext in ("bin", "idx")]
-    return steps.mark_done("train", key, outputs, stats)
-
-
-def _add_sentences(writer, ids: np.ndarray, lens: np.ndarray) -> None:
-    offsets = np.concatenate(([0], np.cumsum(lens)))
-    for i in range(lens.size):
-        writer.add(ids[offsets[i]:offsets[i + 1]])
+    record = steps.mark_done("train", key, outputs, stats)
+    shutil.rmtree(directory, ignore_errors=True)
+    return record
 
 
 # ---- steps: valid and test --------------------------------------------------------------------
@@ -369,7 +449,6 @@ def write_data_manifest(plan: Plan, request_key: str, clean: dict, subword: dict
                         evals: dict) -> Path:
     """The manifest of admin_ds.data.binarize (what training reads: languages, subword model,
     splits, checksummed files), extended with what this preparation did."""
-    from admin_ds.data.binarize import write_manifest
     from admin_ds.data.subword import SubwordModel
 
     sp = SubwordModel(plan.out / "spm.model")

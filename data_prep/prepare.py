@@ -10,7 +10,7 @@
 Reads the sources, runs the steps of :mod:`data_prep.pipeline` (each skipped when already done
 with the same inputs and options) and writes a data directory that
 ``admin_ds.data.binarize.load_manifest`` / ``open_split`` read. Problems with the input or the
-output folder end the run with ``error: ...`` on stderr and exit status 1, without a traceback
+output folder end the run with ``error: ...`` on stderr and exit status 2, without a traceback
 and without a manifest. The full description is data_prep/README.md.
 """
 
@@ -79,8 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     fl.add_argument("--max-line-bytes", type=int_in(16), default=4096,
                     help="training lines longer than this (in UTF-8 bytes) are dropped while reading")
     run = p.add_argument_group("running")
-    run.add_argument("--workers", type=int_in(1), default=_cpus(), help="worker processes for cleaning and encoding")
-    run.add_argument("--chunk-lines", type=int_in(1), default=10_000, help="pairs per work unit")
+    run.add_argument("--workers", type=int_in(1), default=_cpus(),
+                     help="worker processes: each cleans, deduplicates and encodes its own shards")
+    run.add_argument("--chunk-lines", type=int_in(1), default=10_000,
+                     help="pairs per shard (the output does not depend on it)")
     run.add_argument("--remove-work", action="store_true",
                      help="delete OUT/work (cleaned text, step records) at the end")
     run.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -1,4 +1,4 @@
-"""Resumable steps and the ordered worker pool.
+"""Resumable steps and the worker pool.
 
 Resuming (the fairseq2 ``step_N.tmp`` idea applied to data): every output is written to a
 temporary sibling and renamed when complete (admin_ds.files.atomic_output), and a step that has
@@ -74,27 +74,44 @@ class StepLog:
         return record
 
 
-def ordered_map(func: Callable, chunks: Iterable, workers: int, initializer: Callable,
-                initargs: tuple = (), in_flight_per_worker: int = 2) -> Iterator:
-    """``func`` over ``chunks`` in ``workers`` processes, results in input order.
+class WorkerPool:
+    """Worker processes for the sharded steps: ``map`` runs a function over tasks, results in
+    task order. With one worker everything runs in this process.
 
     Unlike ``Pool.imap``, whose feeder thread reads the whole input ahead of slow workers, at
-    most ``workers * in_flight_per_worker`` chunks are read ahead: memory stays bounded by the
-    chunk size, whatever the corpus size. With one worker everything runs in this process.
-    Processes are started with "spawn" (no fork of a process that holds threads), so ``func``
-    and ``initializer`` must be importable module-level functions.
+    most ``workers * in_flight_per_worker`` tasks are taken from the input ahead of the results:
+    tasks that carry their data (raw pairs read by this process) keep memory bounded by the
+    shard size, whatever the corpus size. Processes are started with "spawn" (no fork of a
+    process that holds threads), so functions must be importable module-level functions. One
+    pool serves every phase of every step, so each worker starts (imports) once; it is started
+    by the first ``map``, so a run whose steps are all done starts none.
     """
-    if workers <= 1:
-        initializer(*initargs)
-        for chunk in chunks:
-            yield func(chunk)
-        return
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(workers, initializer, initargs) as pool:  # terminated on exit or error
+
+    def __init__(self, workers: int, in_flight_per_worker: int = 2):
+        self.workers, self.in_flight = workers, workers * in_flight_per_worker
+        self._pool = None
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._pool is not None:
+            if exc_type is None:
+                self._pool.close()
+            else:
+                self._pool.terminate()
+            self._pool.join()
+
+    def map(self, func: Callable, tasks: Iterable) -> Iterator:
+        if self.workers <= 1:
+            yield from map(func, tasks)
+            return
+        if self._pool is None:
+            self._pool = mp.get_context("spawn").Pool(self.workers)
         pending: deque = deque()
-        for chunk in chunks:
-            pending.append(pool.apply_async(func, (chunk,)))
-            if len(pending) >= workers * in_flight_per_worker:
+        for task in tasks:
+            pending.append(self._pool.apply_async(func, (task,)))
+            if len(pending) >= self.in_flight:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()

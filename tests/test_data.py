@@ -418,6 +418,20 @@ def test_iterator_rolls_over_with_new_shuffle(pair_dataset):
     assert sorted(sum(first, [])) == sorted(sum(second, [])) == list(range(len(pair_dataset)))
 
 
+def test_iterator_peek_returns_the_next_batch_without_consuming_it(pair_dataset):
+    """The profiling batch is peeked from the training iterator: it must be the batch a fresh
+    iterator draws first, and training must still start with it."""
+    kwargs = dict(seed=5, num_replicas=2, rank=1, max_positions=20)
+    fresh = take(EpochBatchIterator(pair_dataset, 160, PAD, EOS, **kwargs), 3)
+    it = EpochBatchIterator(pair_dataset, 160, PAD, EOS, **kwargs)
+    assert same_batches([it.peek_batch(), it.peek_batch()], fresh[:1] * 2)
+    assert it.position == 0
+    assert same_batches(take(it, 3), fresh)
+    take(it, it.batches_per_epoch - 3)
+    with pytest.raises(IndexError, match="epoch 1 is exhausted"):
+        it.peek_batch()
+
+
 @pytest.mark.parametrize("stop_offset", [-3, 0, 2])
 def test_iterator_resume_matches_uninterrupted_run(pair_dataset, stop_offset):
     # stop_offset is relative to the end of epoch 1: mid-epoch, exactly at the

@@ -27,8 +27,7 @@ NC = DATA / "newscommentary-enfr-5k"
 MULTI30K = DATA / "multi30k"
 WRAPPER = ROOT / "data_prep" / "prepare_wmt14.sh"
 
-from data_prep.clean import (DigestSet, PunctNormalizer, decode_side, length_filter,
-                             remove_non_printing)
+from data_prep.clean import PunctNormalizer, decode_side, length_filter, remove_non_printing
 from data_prep.prepare import main
 
 
@@ -90,18 +89,62 @@ def test_remove_non_printing_and_decode_side():
     assert decode_side("a\u2028b\x85c\x0bd&#10;e".encode()) == "a b c d e"
 
 
-def test_digest_set_matches_a_python_set():
+def test_sharded_deduplication_keeps_first_occurrences(tmp_path):
+    """find_duplicates / drop_duplicates over shards and hash buckets against a Python set read
+    in order: the same pairs kept, whatever the number of buckets."""
+    from data_prep.shards import (DropDuplicates, DuplicateBucket, drop_duplicates, find_duplicates,
+                                  shard_name)
+
     rng = np.random.default_rng(0)
-    digests, seen = DigestSet(capacity=16), set()
-    for _ in range(30):  # many resizes, collisions in-chunk and across chunks, and the value 0
-        chunk = rng.integers(0, 50_000, size=5_000).astype(np.uint64)
-        expected = []
-        for d in chunk.tolist():
-            d = d or 1
-            expected.append(d not in seen)
+    shards = [rng.integers(0, 300, size=n).astype(np.uint64) for n in (0, 50, 200, 1, 120, 80)]
+    seen, expected = set(), []
+    for shard in shards:
+        kept = []
+        for d in shard.tolist():
+            if d not in seen:
+                kept.append(d)
             seen.add(d)
-        assert np.array_equal(digests.add_new(chunk), expected)
-    assert len(digests) == len(seen)
+        expected.append(kept)
+    for buckets in (1, 3, 7):
+        directory = tmp_path / f"b{buckets}"
+        directory.mkdir()
+        for i, shard in enumerate(shards):  # the text of pair k is its digest, to read back what was kept
+            (directory / f"{shard_name(i)}.src").write_bytes(b"".join(b"%d\n" % d for d in shard.tolist()))
+            (directory / f"{shard_name(i)}.tgt").write_bytes((directory / f"{shard_name(i)}.src").read_bytes())
+            (directory / f"{shard_name(i)}.digest").write_bytes(shard.astype("<u8").tobytes())
+        sizes = [len(s) for s in shards]
+        for b in range(buckets):
+            find_duplicates(DuplicateBucket(directory, b, buckets, sizes))
+        start = 0
+        for i, shard in enumerate(shards):
+            record = drop_duplicates(DropDuplicates(directory, i, start, buckets))
+            start += len(shard)
+            kept = [int(x) for x in (directory / f"{shard_name(i)}.kept.src").read_text().split()]
+            assert kept == expected[i], (buckets, i)
+            assert record["duplicate"] == len(shard) - len(expected[i])
+
+
+def test_shards_of_a_file_read_like_the_whole_file(tmp_path):
+    """line_starts + read_lines (or read_range) over each byte range == read_lines over the file, with a BOM,
+    CRLF, overlong and empty lines, with and without a final newline."""
+    from data_prep.sources import byte_ranges, line_starts, read_lines, read_range
+
+    rng = np.random.default_rng(1)
+    path = tmp_path / "f"
+    for _ in range(200):
+        lines = [b"x" * int(rng.choice([0, 1, 5, 30, 200])) + (b"\r" if rng.random() < 0.2 else b"")
+                 for _ in range(rng.integers(0, 60))]
+        data = (b"\xef\xbb\xbf" if rng.random() < 0.3 else b"") + b"\n".join(lines) \
+            + (b"\n" if rng.random() < 0.5 else b"")
+        path.write_bytes(data)
+        starts, count = line_starts(path, int(rng.integers(1, 10)), piece=int(rng.choice([1, 3, 64, 1 << 18])))
+        whole = list(read_lines(path, 100))
+        assert count == len(whole)
+        ranges = byte_ranges(starts, len(data))
+        assert [x for a, b in ranges for x in read_lines(path, 100, a, b)] == whole
+        assert [x for a, b in ranges for x in read_range(path, 100, a, b)] == whole
+        assert [x for a, b in ranges for x in read_range(path, 100, a, b, whole_below=50)] == whole
+        assert all(b > a for a, b in ranges) or not data
 
 
 def test_read_lines_edge_cases(tmp_path):
@@ -115,10 +158,13 @@ def test_read_lines_edge_cases(tmp_path):
 
 
 def test_length_filter_is_clean_corpus_n():
-    assert length_filter(10, 15, 1, 250, 1.5) is None
+    assert length_filter(10, 15, 1, 250, 1.5) == ""
     assert length_filter(10, 16, 1, 250, 1.5) == "ratio"
     assert length_filter(0, 1, 1, 250, 1.5) == "too_short"
     assert length_filter(251, 250, 1, 250, 1.5) == "too_long"
+    assert length_filter(0, 400, 1, 250, 1.5) == "too_short"  # the first rule that applies names it
+    assert length_filter(np.array([10, 10, 0, 251, 0]), np.array([15, 16, 1, 250, 400]), 1, 250, 1.5).tolist() \
+        == ["", "ratio", "too_short", "too_long", "too_short"]
 
 
 # ---- the en-de run on newstest: training can read it -------------------------------------------
@@ -172,11 +218,32 @@ def test_rerun_is_verified_and_skipped(ende, capsys):
     assert (ende / "manifest.json").read_bytes() == before
 
 
+def same_output(a: Path, b: Path) -> bool:
+    """The same data directory: every file the manifest checksums, and the cleaned text."""
+    return manifest_of(a)["files"] == manifest_of(b)["files"] and all(
+        (a / "work" / f"train.clean.{lang}").read_bytes() == (b / "work" / f"train.clean.{lang}").read_bytes()
+        for lang in ("en", "de"))
+
+
 @needs_data
-def test_deterministic_across_runs_and_worker_counts(ende, tmp_path, capsys):
-    rc, _ = run_prepare(capsys, "en-de", tmp_path / "w2", *ENDE_ARGS, "--workers", "2")
-    assert rc == 0
-    assert manifest_of(tmp_path / "w2")["files"] == manifest_of(ende)["files"]
+def test_byte_identical_for_1_2_3_workers_and_any_shard_size(ende, tmp_path, capsys):
+    """Workers clean, deduplicate and encode their own shards: the output is the single-process
+    one whatever the number of workers and shards, for files read in ranges by the workers and
+    for gzip files read by the main process."""
+    for workers, chunk in ((2, "500"), (3, "77"), (2, "5000")):
+        out = tmp_path / f"w{workers}_{chunk}"
+        rc, err = run_prepare(capsys, "en-de", out, *ENDE_ARGS, "--workers", workers, "--chunk-lines", chunk)
+        assert rc == 0, err
+        assert same_output(out, ende), (workers, chunk)
+    raw = tmp_path / "gz"
+    raw.mkdir()
+    for name in ("newstest2013", "newstest2014"):
+        for lang in ("en", "de"):
+            (raw / f"{name}.{lang}.gz").write_bytes(gzip.compress((WMT_ENDE / f"{name}.{lang}").read_bytes()))
+    args = [a if a != str(WMT_ENDE) else str(raw) for a in ENDE_ARGS]
+    rc, err = run_prepare(capsys, "en-de", tmp_path / "gz_out", *args, "--workers", "2", "--chunk-lines", "300")
+    assert rc == 0, err
+    assert same_output(tmp_path / "gz_out", ende)
 
 
 @needs_data
@@ -214,17 +281,19 @@ def test_tsv_source_and_malformed_lines(ende, tmp_path, capsys):
 
 @needs_data
 def test_killed_while_binarizing_resumes_to_the_same_output(ende, tmp_path):
+    """SIGKILL in the middle of the train step (workers slowed by a test hook), then the same
+    command: the finished shards are reused and the output is byte-identical to a run that
+    was never interrupted."""
     out = tmp_path / "out"
-    cmd = ["bash", str(WRAPPER), "en-de", str(out), *ENDE_ARGS, "--workers", "1", "--chunk-lines", "100"]
-    env = subprocess_env(DATA_PREP_TEST_SLOW_BINARIZE="0.3")
+    cmd = ["bash", str(WRAPPER), "en-de", str(out), *ENDE_ARGS, "--workers", "2", "--chunk-lines", "100"]
+    env = subprocess_env(DATA_PREP_TEST_SLOW_BINARIZE="0.5")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (out / "train.en.bin.tmp").exists():
+    deadline = time.monotonic() + 300
+    while len(list((out / "work" / "train.shards").glob("*.json"))) < 4:
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline, "binarizing never started"
         time.sleep(0.05)
-    time.sleep(1.0)  # a few chunks into the step
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
@@ -233,8 +302,9 @@ def test_killed_while_binarizing_resumes_to_the_same_output(ende, tmp_path):
     done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "clean: already done" in done.stderr and "subword: already done" in done.stderr
-    assert manifest_of(out)["files"] == manifest_of(ende)["files"]
-    assert not list(out.glob("*.tmp"))
+    assert "shards left from an earlier run reused" in done.stderr
+    assert same_output(out, ende)
+    assert not list(out.glob("*.tmp")) and not (out / "work" / "train.shards").exists()
 
 
 # ---- other real corpora ------------------------------------------------------------------------

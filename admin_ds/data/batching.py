@@ -353,11 +353,21 @@ class EpochBatchIterator:
             self._epoch += 1
             self._position = 0
             batches = self._rank_batches()
-        samples = [(int(i), *self.dataset[i]) for i in batches[self._position]]
-        sample = collate(samples, self.pad_idx, self.eos_idx, self.pad_to_multiple)
+        sample = self._collate(batches[self._position])
         # Advance only once the batch exists, so a failure leaves the state resumable.
         self._position += 1
         return sample
+
+    def peek_batch(self) -> dict[str, Any]:
+        """The batch :meth:`next_batch` will return next, without consuming it (within the
+        current epoch; at its end, call next_batch)."""
+        batches = self._rank_batches()
+        if self._position >= len(batches):
+            raise IndexError(f"epoch {self._epoch} is exhausted: the next batch belongs to the next epoch")
+        return self._collate(batches[self._position])
+
+    def _collate(self, batch: np.ndarray) -> dict[str, Any]:
+        return collate([(int(i), *self.dataset[i]) for i in batch], self.pad_idx, self.eos_idx, self.pad_to_multiple)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         while True:

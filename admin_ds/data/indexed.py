@@ -48,7 +48,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 __all__ = [
     "FORMAT_VERSION",
@@ -71,7 +70,7 @@ _CODE_BY_DTYPE = {dtype: code for code, dtype in _DTYPE_BY_CODE.items()}
 # Tokens buffered in memory before being appended to the .bin file; bounds the
 # writer's memory use independently of corpus size.
 _FLUSH_TOKENS = 1 << 20
-# Sentences per chunk when writing offsets, for the same reason.
+# Sentences per chunk when writing offsets or appending a dataset, for the same reason.
 _OFFSET_CHUNK = 1 << 20
 
 
@@ -108,10 +107,11 @@ def _fsync_directory(path: str) -> None:
 class IndexedDatasetWriter:
     """Streams sentences into ``PREFIX.bin`` / ``PREFIX.idx``.
 
-    Token ids are buffered in small chunks and appended to ``PREFIX.bin.tmp``
-    as they arrive, so memory use is bounded by the chunk size plus four bytes
-    per sentence for the lengths, whatever the number of tokens. Nothing is
-    visible under the final names until :meth:`finalize` succeeds.
+    Token ids and sentence lengths are buffered in small chunks and appended to
+    ``PREFIX.bin.tmp`` and ``PREFIX.idx.tmp`` as they arrive, so memory use is
+    bounded by the chunk size whatever the corpus size; the offsets are computed
+    from the lengths read back when finalizing. Nothing is visible under the
+    final names until :meth:`finalize` succeeds.
 
     Typical use::
 
@@ -120,14 +120,23 @@ class IndexedDatasetWriter:
                 w.add(ids)
         # finalized on a clean exit; on an exception the temp files are removed
 
+    :meth:`add_batch` takes many sentences as one flat array and their lengths
+    (a few vectorised operations instead of a Python call per sentence), and
+    :meth:`append` copies a whole finished dataset: data preparation writes one
+    dataset per shard in worker processes and concatenates them with it.
+
     Args:
         prefix: path prefix of the two output files.
         vocab_size: every id must lie in ``[0, vocab_size)``; also picks the
             on-disk dtype (see :func:`dtype_for_vocab`).
+        sync: fsync the files and the folder when finalizing. False for
+            intermediate files that a later completion record checks anyway
+            (data preparation's shards): the renames stay atomic.
     """
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int):
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, sync: bool = True):
         self.prefix = os.fspath(prefix)
+        self.sync = sync
         self.vocab_size = int(vocab_size)
         self.dtype = dtype_for_vocab(self.vocab_size)
         self._idx_path, self._bin_path = _paths(self.prefix)
@@ -135,9 +144,11 @@ class IndexedDatasetWriter:
         self._bin_tmp = self._bin_path + ".tmp"
 
         self._bin_file = open(self._bin_tmp, "wb")
+        self._idx_file = open(self._idx_tmp, "w+b")
+        self._idx_file.write(bytes(HEADER_SIZE))  # the real header once n is known
         self._pending: list[np.ndarray] = []
+        self._pending_lengths: list[np.ndarray] = []
         self._pending_tokens = 0
-        self._lengths = np.empty(1024, dtype=np.int32)
         self._num_sentences = 0
         self._num_tokens = 0
         self._state = "open"
@@ -153,37 +164,59 @@ class IndexedDatasetWriter:
         """Append one sentence (a 1-D sequence of token ids, without EOS)."""
         self._require_open("add")
         arr = np.asarray(ids)
-        sentence = self._num_sentences
         if arr.ndim != 1:
             raise ValueError(
-                f"{self.prefix}: sentence {sentence} must be a 1-D sequence of ids, "
+                f"{self.prefix}: sentence {self._num_sentences} must be a 1-D sequence of ids, "
                 f"got shape {arr.shape}"
             )
-        if arr.size:
-            if not np.issubdtype(arr.dtype, np.integer):
-                raise TypeError(
-                    f"{self.prefix}: sentence {sentence} has non-integer ids "
-                    f"(dtype {arr.dtype})"
-                )
-            lo, hi = int(arr.min()), int(arr.max())
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(
-                    f"{self.prefix}: sentence {sentence} contains token id {bad}, "
-                    f"outside [0, {self.vocab_size})"
-                )
+        self._check_ids(arr, np.array([arr.size]))
+        self._push(arr, np.array([arr.size], dtype=np.int32))
+
+    def add_batch(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Append ``len(lengths)`` sentences whose ids are concatenated in ``ids``."""
+        self._require_open("add")
+        ids, lengths = np.asarray(ids), np.asarray(lengths)
+        if ids.ndim != 1 or lengths.ndim != 1:
+            raise ValueError(f"{self.prefix}: add_batch takes 1-D ids and lengths, got shapes "
+                             f"{ids.shape} and {lengths.shape}")
+        if lengths.size and (int(lengths.min()) < 0 or int(lengths.sum()) != ids.size):
+            raise ValueError(f"{self.prefix}: lengths (sum {int(lengths.sum())}) do not describe "
+                             f"the {ids.size} ids given")
+        self._check_ids(ids, lengths)
+        self._push(ids, lengths.astype(np.int32))
+
+    def append(self, dataset: IndexedDataset, sentences_per_chunk: int = _OFFSET_CHUNK) -> None:
+        """Append every sentence of ``dataset``, in order, a chunk at a time."""
+        sizes = dataset.sizes
+        offsets = dataset._offsets
+        for start in range(0, len(sizes), sentences_per_chunk):
+            stop = min(start + sentences_per_chunk, len(sizes))
+            tokens = dataset._tokens[int(offsets[start]) : int(offsets[stop])]
+            self.add_batch(tokens, sizes[start:stop])
+
+    def _check_ids(self, arr: np.ndarray, lengths: np.ndarray) -> None:
+        if not arr.size:
+            return
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{self.prefix}: sentence {self._num_sentences} has non-integer ids "
+                            f"(dtype {arr.dtype})")
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            where = int(np.flatnonzero(arr == bad)[0])
+            sentence = self._num_sentences + int(np.searchsorted(np.cumsum(lengths), where, side="right"))
+            raise ValueError(
+                f"{self.prefix}: sentence {sentence} contains token id {bad}, "
+                f"outside [0, {self.vocab_size})"
+            )
+
+    def _push(self, ids: np.ndarray, lengths: np.ndarray) -> None:
         # astype copies, so a caller reusing its buffer cannot corrupt pending data.
-        self._pending.append(arr.astype(self.dtype))
-        self._pending_tokens += arr.size
-
-        if self._num_sentences == len(self._lengths):
-            grown = np.empty(2 * len(self._lengths), dtype=np.int32)
-            grown[: self._num_sentences] = self._lengths
-            self._lengths = grown
-        self._lengths[self._num_sentences] = arr.size
-        self._num_sentences += 1
-        self._num_tokens += arr.size
-
+        self._pending.append(ids.astype(self.dtype))
+        self._pending_lengths.append(lengths.astype("<i4"))
+        self._pending_tokens += ids.size
+        self._num_sentences += lengths.size
+        self._num_tokens += ids.size
         if self._pending_tokens >= _FLUSH_TOKENS:
             self._flush()
 
@@ -193,7 +226,8 @@ class IndexedDatasetWriter:
         try:
             self._flush()
             self._bin_file.flush()
-            os.fsync(self._bin_file.fileno())
+            if self.sync:
+                os.fsync(self._bin_file.fileno())
             self._bin_file.close()
             self._write_index()
             # A stale .idx from an earlier run would otherwise pair with the
@@ -204,7 +238,8 @@ class IndexedDatasetWriter:
                 pass
             os.replace(self._bin_tmp, self._bin_path)
             os.replace(self._idx_tmp, self._idx_path)
-            _fsync_directory(self._idx_path)
+            if self.sync:
+                _fsync_directory(self._idx_path)
         except BaseException:
             self.abort()
             raise
@@ -216,6 +251,7 @@ class IndexedDatasetWriter:
             return
         self._state = "aborted"
         self._bin_file.close()
+        self._idx_file.close()
         for path in (self._bin_tmp, self._idx_tmp):
             try:
                 os.remove(path)
@@ -238,26 +274,35 @@ class IndexedDatasetWriter:
     def _flush(self) -> None:
         if self._pending:
             self._bin_file.write(np.concatenate(self._pending).tobytes())
+            self._idx_file.write(np.concatenate(self._pending_lengths).tobytes())
             self._pending.clear()
+            self._pending_lengths.clear()
             self._pending_tokens = 0
 
     def _write_index(self) -> None:
+        # The lengths are already in the file after the header; the offsets follow them,
+        # computed chunk by chunk from the lengths read back, so that finalizing needs no
+        # memory proportional to the number of sentences.
         n = self._num_sentences
-        lengths = self._lengths[:n]
-        with open(self._idx_tmp, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, _CODE_BY_DTYPE[self.dtype], n))
-            f.write(lengths.astype("<i4", copy=False).tobytes())
-            f.write(np.zeros(1, dtype="<i8").tobytes())
-            # Offsets are produced chunk by chunk so that finalizing does not
-            # need another 8 bytes per sentence on top of the lengths.
-            carry = 0
-            for start in range(0, n, _OFFSET_CHUNK):
-                chunk = np.cumsum(lengths[start : start + _OFFSET_CHUNK], dtype="<i8")
-                chunk += carry
-                f.write(chunk.tobytes())
-                carry = int(chunk[-1])
-            f.flush()
+        f = self._idx_file
+        f.seek(0, os.SEEK_END)
+        f.write(np.zeros(1, dtype="<i8").tobytes())
+        carry = 0
+        for start in range(0, n, _OFFSET_CHUNK):
+            count = min(_OFFSET_CHUNK, n - start)
+            f.seek(HEADER_SIZE + 4 * start)
+            lengths = np.frombuffer(f.read(4 * count), dtype="<i4")
+            chunk = np.cumsum(lengths, dtype="<i8")
+            chunk += carry
+            f.seek(0, os.SEEK_END)
+            f.write(chunk.tobytes())
+            carry = int(chunk[-1])
+        f.seek(0)
+        f.write(_HEADER.pack(MAGIC, FORMAT_VERSION, _CODE_BY_DTYPE[self.dtype], n))
+        f.flush()
+        if self.sync:
             os.fsync(f.fileno())
+        f.close()
 
 
 class IndexedDataset:
@@ -447,6 +492,8 @@ def collate(
     ``nsentences``. ``pad_to_multiple`` rounds S and T up, e.g. to 8 for
     tensor-core friendly shapes.
     """
+    import torch  # here, not at the top: data preparation writes and reads indexed files without torch
+
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
     if pad_to_multiple < 1:
