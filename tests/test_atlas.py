@@ -68,6 +68,11 @@ def test_two_by_two_grid_through_the_command(tmp_path):
     again = atlas(*args)
     assert again.returncode == 0 and "4 cells: 4 finished (skipped), 0 to run" in again.stdout
     (out / "cells" / "admin_2L-2L_lr0.001_wu100" / "summary.json").unlink()
+    report = atlas(*args, "--report-only")  # stopped without an error: unfinished, not failed
+    assert report.returncode == 0, report.stderr[-3000:]
+    cell = {c["name"]: c for c in json.loads((out / "atlas.json").read_text())["cells"]}["admin_2L-2L_lr0.001_wu100"]
+    assert (cell["outcome"], cell["reason"]) == (
+        "unfinished", "stopped at update 3 of 3 without an error; rerun the command to resume it")
     resumed = atlas(*args)
     assert "4 cells: 3 finished (skipped), 1 to run" in resumed.stdout
     log = (out / "cells" / "admin_2L-2L_lr0.001_wu100" / "train.log").read_text()

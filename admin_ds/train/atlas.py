@@ -25,7 +25,9 @@ A cell's outcome (``classify``), from its metrics.jsonl:
                cross-entropy minus ``STALL_MARGIN_BITS``: the model has learnt word frequencies
                and little else
     trained    otherwise
-    failed     the run ended with an error (its last line is kept)
+    failed     the run ended with an error (its error line is kept)
+    unfinished the run stopped before its last update without an error (killed, or still
+               running); rerunning the command resumes it
 
 The unigram cross-entropy is the target side of the validation split scored with the training
 split's target token frequencies (add-one smoothed), EOS included, in bits: the same units as the
@@ -49,7 +51,7 @@ from admin_ds.errors import ConfigError
 from admin_ds.model.analysis import INIT_VARIANTS
 
 STALL_MARGIN_BITS = 0.5
-OUTCOMES = ("trained", "stalled", "diverged", "failed")
+OUTCOMES = ("trained", "stalled", "diverged", "failed", "unfinished")
 CELLS_DIR = "cells"
 
 # The defaults of a grid: the narrow one two CPU cores can afford, and the papers' width for GPU
@@ -333,7 +335,13 @@ class Atlas:
             else:
                 row.update(classify(read_metrics(d), cell.warmup, bits, finished=is_done(d)))
                 if row["outcome"] == "failed":
-                    row["reason"] = _last_error(d / "train.log") or row["reason"]
+                    error = _last_error(d / "train.log")
+                    if error is None:
+                        last = row["curve"][-1][0] if row["curve"] else 0
+                        row.update(outcome="unfinished", reason=f"stopped at update {last} of {self.grid.max_updates} "
+                                                                 "without an error; rerun the command to resume it")
+                    else:
+                        row["reason"] = error
                 profile = d / "admin_profile.json"
                 if profile.is_file():
                     p = json.loads(profile.read_text())
@@ -349,7 +357,7 @@ def _last_error(log: Path) -> Optional[str]:
         return None
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:") or "Error" in line]
-    return (errors or lines or [None])[-1]
+    return errors[-1] if errors else None
 
 
 # ------------------------------------------------------------------------------------------------

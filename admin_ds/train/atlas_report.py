@@ -20,7 +20,7 @@ import platform
 from pathlib import Path
 from typing import Optional
 
-MARKS = {"trained": "✓", "stalled": "~", "diverged": "✗", "failed": "!", "missing": " "}
+MARKS = {"trained": "✓", "stalled": "~", "diverged": "✗", "failed": "!", "unfinished": "…", "missing": " "}
 COLORS = {"post": "tab:red", "pre": "tab:blue", "admin": "tab:green", "admin-constant": "tab:olive",
           "deepnorm": "tab:purple", "t-fixup": "tab:orange"}
 
@@ -87,7 +87,8 @@ def format_markdown(result: dict, command: str, plots: dict[str, Path]) -> str:
         f"`{g['deepspeed_config']}`" + (f", `{' '.join(g['extra'])}`" if g["extra"] else ""),
         f"- outcome: {MARKS['trained']} trained, {MARKS['stalled']} stalled (best validation nll within "
         f"{result['stall_margin_bits']} bits of the unigram model or above), {MARKS['diverged']} diverged "
-        f"(non-finite, or final loss above the end-of-warmup loss), {MARKS['failed']} failed (error). "
+        f"(non-finite, or final loss above the end-of-warmup loss), {MARKS['failed']} failed (error), "
+        f"{MARKS['unfinished']} unfinished (stopped without an error; a rerun resumes it). "
         "Each cell: outcome, best validation nll (bits), validation BLEU "
         f"({g['bleu_sentences'] or 'all'} sentences, beam {g['bleu_beam']})",
         "",
@@ -116,9 +117,9 @@ def format_markdown(result: dict, command: str, plots: dict[str, Path]) -> str:
             vals = [oc["inits"][i][k]["mean"] for i in oc["inits"]]
             lines.append(f"| {depth} | " + " | ".join(f"{v:.3g}" for v in vals) + " |")
         lines.append("")
-    notes = [c for c in result["cells"] if c["outcome"] in ("diverged", "failed")]
+    notes = [c for c in result["cells"] if c["outcome"] in ("diverged", "failed", "unfinished")]
     if notes:
-        lines += ["## Why cells diverged or failed", ""]
+        lines += ["## Why cells diverged, failed or are unfinished", ""]
         lines += [f"- {c['name']}: {c['reason']}" for c in notes]
         lines.append("")
     if plots:
