@@ -121,8 +121,9 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
     # The profiling stage, cold (the first forward pass of the process), in two parts: the
     # profiling batch (the first epoch's token buckets, shared with training) and the rest
     # (forward pass with its all-reduces, omega written into the engine, profile files).
+    admin = t.cfg.init == "admin"  # only Admin profiles; other presets have no profiling stage
     t0 = time.perf_counter()
-    first = t.profiling_batch()
+    first = t.profiling_batch() if admin else None
     batch_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     t.establish_profile()
@@ -147,7 +148,8 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
     synchronize(device)
     dt = time.perf_counter() - t0
     t0 = time.perf_counter()
-    t.runner.profile(first)  # the forward pass and all-reduces alone, warm
+    if admin:
+        t.runner.profile(first)  # the forward pass and all-reduces alone, warm
     synchronize(device)
     profile_warm_s = time.perf_counter() - t0
     precision = eng.precision(t.ds)
@@ -162,9 +164,10 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
            "tflops": round(achieved, 4), "padded_tflops": round(padded_flops / dt / 1e12, 4), **peak,
            "mfu_measured": round(achieved / peak["peak_tflops"], 4),
            "mfu_vendor": None if peak["vendor_tflops"] is None else round(achieved / peak["vendor_tflops"], 4),
-           "profile_s": round(profile_s, 3), "profile_batch_s": round(batch_s, 3),
-           "profile_pass_s": round(pass_s, 3), "profile_warm_s": round(profile_warm_s, 3),
-           "profile_over_update": round(profile_s / (dt / args.updates), 2),
+           **({"profile_s": round(profile_s, 3), "profile_batch_s": round(batch_s, 3),
+              "profile_pass_s": round(pass_s, 3), "profile_warm_s": round(profile_warm_s, 3),
+              "profile_over_update": round(profile_s / (dt / args.updates), 2)} if admin else
+           {"profile_s": None, "profile_over_update": None}),
            "date": datetime.date.today().isoformat()}
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
