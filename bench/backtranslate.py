@@ -9,6 +9,9 @@ Each run is the real command: one rank through the shell entry point, several th
 (admin_ds/distributed.py ``pin_to_cores``). The figures come from the output manifest's
 ``throughput`` record: sentences/s over the translate phase, the end-to-end rate, and the share of
 the wall time spent decoding. The goal: 2 ranks >= 1.8x one rank on the same cores.
+--one-core-baseline adds, as the first row (the one "vs the first row" divides by), one rank
+restricted to one core: the per-rank scaling, beside the single rank that uses every core through
+its intra-op threads.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ def parse_args(argv=None):
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--int8", action="store_true")
+    p.add_argument("--one-core-baseline", action="store_true",
+                   help="also 1 rank on one core (the first of this process's cores): the per-rank scaling")
     return p.parse_args(argv)
 
 
-def run(args, ranks: int, mono: Path, out: Path) -> dict:
+def run(args, ranks: int, mono: Path, out: Path, cores=None) -> dict:
+    """One run of the real command; ``cores``: the CPU cores it may use (default: all of ours)."""
     opts = ["--model", args.model, "--mono", mono, "--bitext", args.bitext, "--out", out, "--method", args.method,
             "--beam", args.beam, "--max-tokens", args.max_tokens, "--shards", 4 * ranks, *(["--int8"] if args.int8 else [])]
     if ranks == 1:
@@ -51,7 +57,8 @@ def run(args, ranks: int, mono: Path, out: Path) -> dict:
                "-m", "data_prep.backtranslate"]
     env = dict(os.environ, PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu")
     env.pop("OMP_NUM_THREADS", None)  # each rank sets its threads from its cores
-    r = subprocess.run([*cmd, *map(str, opts)], cwd=REPO, env=env, capture_output=True, text=True)
+    r = subprocess.run([*cmd, *map(str, opts)], cwd=REPO, env=env, capture_output=True, text=True,
+                       preexec_fn=None if cores is None else (lambda: os.sched_setaffinity(0, cores)))
     if r.returncode != 0:
         raise SystemExit(f"{ranks} rank(s) failed:\n{r.stderr[-3000:]}")
     print(r.stderr.strip().splitlines()[-1], flush=True)
@@ -68,8 +75,9 @@ def main(argv=None) -> int:
         mono = Path(tmp) / "mono.txt"
         with open(args.mono, encoding="utf-8") as f:
             mono.write_text("".join(line for _, line in zip(range(args.lines), f)), encoding="utf-8")
-        for ranks in args.ranks:
-            t = run(args, ranks, mono, Path(tmp) / f"out{ranks}")
+        runs = [(1, [min(os.sched_getaffinity(0))])] if args.one_core_baseline else []
+        for ranks, cores in runs + [(r, None) for r in args.ranks]:
+            t = run(args, ranks, mono, Path(tmp) / f"out{ranks}{'_1core' if cores else ''}", cores)
             base = base or t["sentences_per_s"]
             rows.append(f"| {ranks} | {t['threads_per_rank']} | {t['cores_per_rank']} | {t['sentences_translated']} | "
                         f"{t['sentences_per_s']:.1f} | {t['sentences_per_s'] / base:.2f}x | "
@@ -82,7 +90,7 @@ def main(argv=None) -> int:
         f"- {args.lines} lines of {args.mono.name}, {args.method} (beam {args.beam}), "
         f"{'int8' if args.int8 else 'fp32'}, --max-tokens {args.max_tokens}, 4 shards per rank",
         "",
-        "| ranks | threads per rank | cores per rank | sentences | sentences/s | vs 1 rank | end to end /s "
+        "| ranks | threads per rank | cores per rank | sentences | sentences/s | vs the first row | end to end /s "
         "| decoding share of wall time |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",
         *rows]))
