@@ -77,6 +77,7 @@ class Watchdog:
         self._marked = threading.Event()
         self._answered = time.monotonic()  # when the store last answered a round
         self._suspect: Optional[str] = None  # the main thread's collective failed with this
+        self._cleared = threading.Event()  # every rank's heartbeat moved since the collective failed
         self._threads: list[threading.Thread] = []
 
     # ---- the main thread -----------------------------------------------------------------------
@@ -109,14 +110,17 @@ class Watchdog:
     def collective_failed(self, error: BaseException) -> None:
         """The main thread's collective raised. Now two silent intervals are evidence enough: if a
         rank (or the store) is silent that long, the threads report it and exit; otherwise this
-        returns after three intervals and the caller re-raises the error."""
+        returns once the beat thread has seen every rank's heartbeat move since the failure, and the
+        caller re-raises the error. The beat thread decides, not a clock here: on a loaded machine
+        its rounds come late, and a fixed sleep could end before the round that names the rank."""
         if not self._threads or not looks_like_a_collective_failure(error):
             return
         # gloo: "[.../pair.cc:534] Read error ...: Connection reset by peer. This is typically ..."
         cause = str(error).splitlines()[0].split("] ", 1)[-1].split(". ")[0]
+        self._cleared.clear()
         self._suspect = cause
         self._marked.set()
-        time.sleep(3 * self.interval)
+        self._cleared.wait(self.timeout_s + 10 * self.interval)  # bounded: the alarm covers a silent store
         self._suspect = None
 
     # ---- the threads ---------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class Watchdog:
         block for good when rank 0 is stopped (the client's timeout covers waiting for keys, not a
         silent server): the alarm thread watches this one."""
         seen: dict[int, tuple[str, float]] = {}  # the entry, and when it last changed
+        suspected_at: Optional[float] = None  # the first judged round after the collective failed
         due = time.monotonic() + self.interval
         while True:
             self._marked.wait(max(0.0, due - time.monotonic()))
@@ -157,13 +162,16 @@ class Watchdog:
                 self._fail(verdict)
             if entries is None:
                 continue
-            now, limit = time.monotonic(), self._limit()
+            now, limit, suspect = time.monotonic(), self._limit(), self._suspect is not None
             for r, entry in enumerate(entries):
                 if seen.get(r, (None,))[0] != entry:
                     seen[r] = (entry, now)
             missing = {r: e for r, e in enumerate(entries) if now - seen[r][1] >= limit}
             if missing:
                 self._fail(self._describe(missing, max(now - seen[r][1] for r in missing)))
+            suspected_at = (suspected_at or now) if suspect else None
+            if suspect and now - suspected_at >= limit:
+                self._cleared.set()  # every entry changed within the last two beats: nobody is missing
 
     def _alarm(self) -> None:
         """The store in rank 0's process has not answered a round for too long: rank 0 is missing."""
