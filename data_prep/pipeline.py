@@ -337,6 +337,35 @@ def _tasks_and_results(pool: WorkerPool, func: Callable, tasks):
 
 # ---- step: subword model ----------------------------------------------------------------------
 
+def sample_lines(root: Path, paths: list[str], out: str, lines: int, seed: int, block: int = 1 << 24) -> bool:
+    """When ``paths`` (relative to ``root``) hold more than ``lines`` lines together, write a
+    uniform sample of exactly ``lines`` of them, in file order, to ``out`` and return True. The
+    sample depends only on the files' contents, ``lines`` and ``seed``. Two passes over the files
+    (counting, then copying the chosen lines a block at a time); memory: the chosen line numbers."""
+    counts = []
+    for path in paths:
+        n = 0
+        with open(root / path, "rb") as f:
+            while data := f.read(block):
+                n += data.count(b"\n")
+        counts.append(n)
+    if sum(counts) <= lines:
+        return False
+    chosen = np.sort(np.random.default_rng(seed).choice(sum(counts), size=lines, replace=False))
+    with atomic_output(root / out) as dst:
+        first = 0  # number of the first line of `rest` + the current block, counted over all files
+        for path in paths:
+            rest = b""
+            with open(root / path, "rb") as f:
+                while data := f.read(block):
+                    whole = (rest + data).split(b"\n")
+                    rest = whole.pop()  # an unfinished line waits for the next block
+                    lo, hi = np.searchsorted(chosen, [first, first + len(whole)])
+                    dst.write(b"".join(whole[i] + b"\n" for i in (chosen[lo:hi] - first).tolist()))
+                    first += len(whole)
+    return True
+
+
 def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
     """A joint SentencePiece model on (a sample of) both cleaned sides."""
     from admin_ds.data.subword import VocabSizeError, train_subword_model
@@ -347,17 +376,24 @@ def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
              f"{opt.vocab_size}, on up to {opt.sample_lines} sampled lines")
     # SentencePiece records the input paths inside the model: train from inside the output folder
     # with relative names, so that the model's bytes (and sha256) do not depend on where it lives.
+    # The sample is drawn here, not by SentencePiece: its own sampling (input_sentence_size) gives
+    # a different model in every process even with a fixed seed, so a rerun or a resume would not
+    # reproduce the vocabulary.
+    inputs = list(plan.clean_paths())
+    if sample_lines(plan.out, inputs, "work/spm.sample", opt.sample_lines, opt.seed):
+        inputs = ["work/spm.sample"]
     cwd = os.getcwd()
     os.chdir(plan.out)
     try:
-        train_subword_model(list(plan.clean_paths()), plan.out.resolve() / "spm", opt.vocab_size,
+        train_subword_model(inputs, plan.out.resolve() / "spm", opt.vocab_size,
                             model_type=opt.model_type, character_coverage=opt.character_coverage,
-                            input_sentence_size=opt.sample_lines, user_defined_symbols=opt.user_symbols,
+                            input_sentence_size=0, user_defined_symbols=opt.user_symbols,
                             seed=opt.seed, num_threads=opt.threads)
     except VocabSizeError as e:
         raise PrepError(f"--vocab-size: {e}") from None
     finally:
         os.chdir(cwd)
+        (plan.out / "work/spm.sample").unlink(missing_ok=True)
     dt = round(time.perf_counter() - t0, 3)
     plan.log(f"[prep] subword: {dt:.1f}s")
     return steps.mark_done("subword", key, ["spm.model", "spm.vocab"], {"seconds": dt})

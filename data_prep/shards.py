@@ -29,7 +29,6 @@ change of input or options never reuses a shard, and is removed when the step is
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import os
 import time
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.clean import PunctNormalizer, decode_side, length_filter, normalize, pair_digest
+from data_prep.clean import PunctNormalizer, decode_side, length_filter, normalize_lines, pair_digest
 
 # Seconds a worker sleeps after encoding each shard when set: lets a test kill a run in the
 # middle of the train step.
@@ -114,20 +113,19 @@ def clean_shard(task: CleanShard) -> dict:
     started = clock()
     name = shard_name(task.index)
     punct_src, punct_tgt = _punct(task.langs[0]), _punct(task.langs[1])
-    raw = task.pairs if task.pairs is not None else task.source.read_shard(task.byte_range)
-    stats = {"invalid_utf8": 0, "empty": 0}
+    raw = task.pairs if task.pairs is not None else list(task.source.read_shard(task.byte_range))
+    src, tgt = [decode_side(s) for s, _ in raw], [decode_side(t) for _, t in raw]
+    if None in src or None in tgt:
+        valid = [(s, t) for s, t in zip(src, tgt) if s is not None and t is not None]
+        src, tgt = [s for s, _ in valid], [t for _, t in valid]
+    stats = {"invalid_utf8": len(raw) - len(src), "empty": 0}
     src_out, tgt_out, digests = [], [], []
-    for raw_src, raw_tgt in raw:
-        src, tgt = decode_side(raw_src), decode_side(raw_tgt)
-        if src is None or tgt is None:
-            stats["invalid_utf8"] += 1
-            continue
-        src, tgt = normalize(src, punct_src), normalize(tgt, punct_tgt)
-        if not src or not tgt:
+    for s, t in zip(normalize_lines(src, punct_src), normalize_lines(tgt, punct_tgt)):
+        if not s or not t:
             stats["empty"] += 1
             continue
-        src_out.append(src.encode("utf-8"))
-        tgt_out.append(tgt.encode("utf-8"))
+        src_out.append(s.encode("utf-8"))
+        tgt_out.append(t.encode("utf-8"))
         digests.append(pair_digest(src_out[-1], tgt_out[-1]))
     if task.pairs is None:
         stats.update(task.source.dropped)  # what reading the range dropped (overlong, malformed)
@@ -201,10 +199,12 @@ def drop_duplicates(task: DropDuplicates) -> dict:
 # ---- train step --------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _subword(path: str):
-    from admin_ds.data.subword import SubwordModel
+def _encoder(path: str):
+    """One per worker process and model, kept across shards: its word cache is what makes encoding
+    fast (admin_ds.data.subword.WordCachedEncoder)."""
+    from admin_ds.data.subword import SubwordModel, WordCachedEncoder
 
-    return SubwordModel(path, num_threads=1)  # one process per core already
+    return WordCachedEncoder(SubwordModel(path, num_threads=1))  # one process per core already
 
 
 @dataclass
@@ -222,11 +222,11 @@ class EncodeShard:
     ratio: float
 
 
-def _read_range(path: str, byte_range: tuple[int, int]) -> list[str]:
+def _read_range(path: str, byte_range: tuple[int, int]) -> str:
     start, stop = byte_range
     with open(path, "rb") as f:
         f.seek(start)
-        return f.read(stop - start).decode("utf-8").split("\n")[:-1]
+        return f.read(stop - start).decode("utf-8")
 
 
 def encode_shard(task: EncodeShard) -> dict:
@@ -237,19 +237,17 @@ def encode_shard(task: EncodeShard) -> dict:
 
     started = clock()
     name = shard_name(task.index)
-    sp = _subword(task.spm_model)
-    src = sp.encode(_read_range(task.clean_files[0], task.src_range))
-    tgt = sp.encode(_read_range(task.clean_files[1], task.tgt_range))
-    reasons = length_filter(np.fromiter(map(len, src), np.int64, len(src)),
-                            np.fromiter(map(len, tgt), np.int64, len(tgt)), task.min_len, task.max_len, task.ratio)
+    encoder = _encoder(task.spm_model)
+    src = encoder.encode_text(_read_range(task.clean_files[0], task.src_range))
+    tgt = encoder.encode_text(_read_range(task.clean_files[1], task.tgt_range))
+    reasons = length_filter(src[1], tgt[1], task.min_len, task.max_len, task.ratio)
     stats = {name: int(np.count_nonzero(reasons == name)) for name in ("too_short", "too_long", "ratio")}
-    kept = np.flatnonzero(reasons == "")
-    stats["kept"] = int(kept.size)
+    keep = reasons == ""
+    stats["kept"] = int(np.count_nonzero(keep))
     outputs = []
-    for side, seqs in (("src", [src[i] for i in kept]), ("tgt", [tgt[i] for i in kept])):
-        lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-        ids = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
-        with IndexedDatasetWriter(task.directory / f"{name}.{side}", sp.vocab_size, sync=False) as w:
+    for side, (all_ids, all_lengths) in (("src", src), ("tgt", tgt)):
+        ids, lengths = all_ids[np.repeat(keep, all_lengths)], all_lengths[keep]
+        with IndexedDatasetWriter(task.directory / f"{name}.{side}", encoder.model.vocab_size, sync=False) as w:
             w.add_batch(ids, lengths)
         stats[f"{side}_tokens"] = int(ids.size)
         stats[f"{side}_unk"] = int(np.count_nonzero(ids == UNK))

@@ -27,7 +27,8 @@ NC = DATA / "newscommentary-enfr-5k"
 MULTI30K = DATA / "multi30k"
 WRAPPER = ROOT / "data_prep" / "prepare_wmt14.sh"
 
-from data_prep.clean import PunctNormalizer, decode_side, length_filter, remove_non_printing
+from data_prep.clean import (PunctNormalizer, decode_side, length_filter, normalize, normalize_lines,
+                             remove_non_printing)
 from data_prep.prepare import main
 
 
@@ -67,16 +68,21 @@ def test_punct_normalizer_equals_sacremoses_on_real_text():
              "de": [WMT_ENDE / "newstest2014.de"],
              "fr": [DATA / "wmt14" / "en-fr" / "newstest2014.fr", NC / "nc-5k.fr"]}
     extra = ["a  ( b )  ,  c  ''d''  e`f", "«\u00a0x\u00a0» 3\u00a0000 nº\u00a05 l’été ‚x‘ „y“ …",
-             '"quoted", he said.  ', "x ; y : z %  ( 1 ) ."]
+             '"quoted", he said.  ', "x ; y : z %  ( 1 ) .", "", " ", "(", ")", '"', "'", "''", "  x  ",
+             "5 %", "%", "a’", "’b", "1\u00a02", '..."', "...\" <", '"...', "\u00a0", "x\u00a0", "— – ’’ ´´ \t\u200b"]
     for lang, paths in files.items():
         lines = [line for p in paths for line in p.read_text(encoding="utf-8").split("\n")] + extra
         moses, fast = MosesPunctNormalizer(lang=lang), PunctNormalizer(lang)
         changed = 0
-        for line in lines:
-            expected = moses.normalize(line)
-            assert fast(line) == expected, (lang, line)
-            changed += expected != line
+        expected = [moses.normalize(line) for line in lines]
+        for line, want in zip(lines, expected):
+            assert fast(line) == want, (lang, line)
+            changed += want != line
         assert changed > 10  # the rules did fire on this text
+        # All lines at once (the shards' path), and in small groups where fewer rules apply.
+        assert fast.lines(lines) == expected, lang
+        assert sum((fast.lines(lines[i:i + 7]) for i in range(0, len(lines), 7)), []) == expected, lang
+        assert normalize_lines(lines, fast) == [normalize(line, fast) for line in lines]
 
 
 def test_remove_non_printing_and_decode_side():
@@ -165,6 +171,116 @@ def test_length_filter_is_clean_corpus_n():
     assert length_filter(0, 400, 1, 250, 1.5) == "too_short"  # the first rule that applies names it
     assert length_filter(np.array([10, 10, 0, 251, 0]), np.array([15, 16, 1, 250, 400]), 1, 250, 1.5).tolist() \
         == ["", "ratio", "too_short", "too_long", "too_short"]
+
+
+# ---- encoding with a word cache, against SentencePiece itself -----------------------------------
+
+# Lines built to break a word-by-word encoding: empty lines and irregular spaces, characters that
+# nmt_nfkc rewrites (ligatures, fractions, full-width letters, compatibility characters that
+# become a space plus a combining mark), combining marks at a word start, SentencePiece's own
+# "▁", the reserved symbol inside a word, and words never seen in training.
+EDGE_LINES = ["", "  leading and trailing  ", "a\tb\u00a0c", "ﬁne ½ x¨y ¨ ＡＢＣ ㍱", "\u0308a \u0301 e\u0301",
+              "▁ a▁b ▁▁", "x<BT>y <BT>", "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich.",
+              "qzxv kwyj 1234567 3,14 ... -- !!!"]
+
+
+def _spm(tmp_path: Path, model_type: str, **options):
+    import sentencepiece as spm
+
+    from admin_ds.data.subword import SubwordModel, train_subword_model
+
+    files = [WMT_ENDE / "newstest2013.en", WMT_ENDE / "newstest2013.de"]
+    prefix = tmp_path / f"{model_type}{len(options)}"
+    if not options:
+        return SubwordModel(train_subword_model(files, prefix, 2000, model_type=model_type, seed=1))
+    spm.SentencePieceTrainer.train(input=[str(f) for f in files], model_prefix=str(prefix), vocab_size=2000,
+                                   model_type=model_type, bos_id=0, pad_id=1, eos_id=2, unk_id=3,
+                                   minloglevel=2, **options)
+    return SubwordModel(f"{prefix}.model")
+
+
+@needs_data
+def test_word_cached_encoding_equals_sentencepiece(tmp_path):
+    """WordCachedEncoder.encode_text gives SentencePiece's own ids on unseen real text (raw and
+    cleaned, several chunks sharing one cache, and a cache small enough to be emptied on the
+    way) and on lines built to break it."""
+    from admin_ds.data.subword import WordCachedEncoder
+
+    model = _spm(tmp_path, "bpe")
+    punct = {lang: PunctNormalizer(lang) for lang in ("en", "de")}
+    texts = []
+    for lang in ("en", "de"):
+        raw = (WMT_ENDE / f"newstest2014.{lang}").read_text(encoding="utf-8").split("\n")[:-1]
+        texts += [raw[:1500], [normalize(line, punct[lang]) for line in raw[1500:]]]
+    texts.append(EDGE_LINES)
+    for max_words in (1 << 20, 3000):
+        encoder = WordCachedEncoder(model, max_words=max_words)
+        assert encoder.exact
+        for lines in texts:
+            ids, lengths = encoder.encode_text("".join(line + "\n" for line in lines))
+            expected = model.encode(lines)
+            assert lengths.tolist() == [len(e) for e in expected]
+            assert ids.tolist() == [i for e in expected for i in e]
+        assert len(encoder._code) > 1000 or max_words < 1 << 20  # the cache was used, not bypassed
+    assert encoder.encode_text("")[1].size == 0
+    with pytest.raises(ValueError, match="ended by a newline"):
+        encoder.encode_text("no newline")
+
+
+@needs_data
+@pytest.mark.parametrize("model_type, options", [("unigram", {}), ("bpe", {"split_by_whitespace": False})])
+def test_word_cache_is_refused_where_words_are_not_independent(model_type, options, tmp_path):
+    """A unigram model (float ties broken by the line's prefix) and a BPE model whose pieces may
+    hold "▁" inside (split_by_whitespace=false) cannot be encoded word by word: the encoder says
+    so and falls back to SentencePiece; forcing the cache gives other ids, which is what the
+    check guards against."""
+    from admin_ds.data.subword import WordCachedEncoder
+
+    model = _spm(tmp_path, model_type, **options)
+    assert model.model_type == model_type
+    lines = [normalize(line, PunctNormalizer("de"))
+             for line in (WMT_ENDE / "newstest2014.de").read_text(encoding="utf-8").split("\n")[:1500]]
+    text = "".join(line + "\n" for line in lines)
+    expected = [i for e in model.encode(lines) for i in e]
+    encoder = WordCachedEncoder(model)
+    assert not encoder.exact
+    assert encoder.encode_text(text)[0].tolist() == expected
+    encoder.exact = True
+    assert encoder.encode_text(text)[0].tolist() != expected
+
+
+@needs_data
+def test_subword_sample_is_the_same_in_every_process(tmp_path):
+    """SentencePiece is trained on a sample drawn by the pipeline: two separate runs (processes)
+    with a sample smaller than the corpus give the same model. (SentencePiece's own sampling gives
+    a different vocabulary in every process, whatever its seed.)"""
+    from data_prep.pipeline import sample_lines
+
+    models = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        cmd = ["bash", str(WRAPPER), "en-de", str(out), *ENDE_ARGS, "--spm-sample-lines", "1500"]
+        done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        models.append((out / "spm.model").read_bytes())
+        assert not (out / "work" / "spm.sample").exists()
+    assert models[0] == models[1]
+
+    # The sample itself: exactly k distinct lines of the inputs, in file order, the same for any
+    # block size, another one for another seed.
+    root = tmp_path / "a"
+    paths = [f"work/train.clean.{lang}" for lang in ("en", "de")]
+    lines = [line for p in paths for line in (root / p).read_bytes().split(b"\n")[:-1]]
+    samples = {}
+    for seed, block in ((1, 1 << 20), (1, 97), (2, 1 << 20)):
+        assert sample_lines(root, paths, f"s{seed}_{block}", 1500, seed, block=block)
+        samples[seed, block] = (root / f"s{seed}_{block}").read_bytes().split(b"\n")[:-1]
+    assert samples[1, 1 << 20] == samples[1, 97] != samples[2, 1 << 20]
+    sample = samples[1, 1 << 20]
+    assert len(sample) == 1500
+    positions = iter(range(len(lines)))
+    assert all(any(lines[i] == line for i in positions) for line in sample)  # a subsequence
+    assert not sample_lines(root, paths, "all", len(lines), 1)  # nothing to sample
 
 
 # ---- the en-de run on newstest: training can read it -------------------------------------------
