@@ -198,10 +198,16 @@ def drop_duplicates(task: DropDuplicates) -> dict:
 
 # ---- train step --------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
 def _encoder(path: str):
-    """One per worker process and model, kept across shards: its word cache is what makes encoding
-    fast (admin_ds.data.subword.WordCachedEncoder)."""
+    """One per worker process and model file, kept across shards: its word cache is what makes
+    encoding fast (admin_ds.data.subword.WordCachedEncoder). A model rewritten at the same path
+    (a rerun in this process with other options) gets a new one."""
+    stat = os.stat(path)
+    return _encoder_for(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _encoder_for(path: str, mtime_ns: int, size: int):
     from admin_ds.data.subword import SubwordModel, WordCachedEncoder
 
     return WordCachedEncoder(SubwordModel(path, num_threads=1))  # one process per core already
