@@ -427,11 +427,13 @@ class WordCachedEncoder:
         codes = np.fromiter(map(self._code.get, words, itertools.repeat(-1)), np.int64, len(words))
         if (missing := np.flatnonzero(codes < 0)).size:
             new = list(dict.fromkeys(words[i] for i in missing))
-            if len(self._code) + len(new) > self.max_words:  # full: start again from this text's words
+            if len(self._code) + len(new) <= self.max_words:
+                self._learn(new)
+                codes[missing] = [self._code[words[i]] for i in missing]
+            else:  # full: start again from this text's words
                 self._clear()
-                new = [w for w in dict.fromkeys(words) if w not in self._code]
-            self._learn(new)
-            codes = np.fromiter(map(self._code.__getitem__, words), np.int64, len(words))
+                self._learn([w for w in dict.fromkeys(words) if w not in self._code])
+                codes = np.fromiter(map(self._code.__getitem__, words), np.int64, len(words))
         lengths = self._length[codes]
         ends = np.cumsum(lengths)
         newline = np.flatnonzero(codes == self._NEWLINE)
