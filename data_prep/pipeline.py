@@ -337,6 +337,19 @@ def _tasks_and_results(pool: WorkerPool, func: Callable, tasks):
 
 # ---- step: subword model ----------------------------------------------------------------------
 
+def _uniform_sample(total: int, k: int, rng: np.random.Generator, chunk: int = 1 << 20) -> np.ndarray:
+    """``k`` distinct numbers from ``range(total)``, every subset equally likely, ascending: chunk
+    by chunk, the chunk's share drawn from the hypergeometric distribution, so that memory is the
+    result plus one chunk (``rng.choice(total, k, replace=False)`` can permute all of ``total``)."""
+    parts = []
+    for start in range(0, total, chunk):
+        n = min(chunk, total - start)
+        take = int(rng.hypergeometric(n, total - start - n, k)) if total - start > n else k
+        parts.append(start + np.sort(rng.choice(n, take, replace=False)))
+        k -= take
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 def sample_lines(root: Path, paths: list[str], out: str, lines: int, seed: int, block: int = 1 << 24) -> bool:
     """When ``paths`` (relative to ``root``) hold more than ``lines`` lines together, write a
     uniform sample of exactly ``lines`` of them, in file order, to ``out`` and return True. The
@@ -351,7 +364,7 @@ def sample_lines(root: Path, paths: list[str], out: str, lines: int, seed: int, 
         counts.append(n)
     if sum(counts) <= lines:
         return False
-    chosen = np.sort(np.random.default_rng(seed).choice(sum(counts), size=lines, replace=False))
+    chosen = _uniform_sample(sum(counts), lines, np.random.default_rng(seed))
     with atomic_output(root / out) as dst:
         first = 0  # number of the first line of `rest` + the current block, counted over all files
         for path in paths:

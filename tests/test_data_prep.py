@@ -254,7 +254,7 @@ def test_subword_sample_is_the_same_in_every_process(tmp_path):
     """SentencePiece is trained on a sample drawn by the pipeline: two separate runs (processes)
     with a sample smaller than the corpus give the same model. (SentencePiece's own sampling gives
     a different vocabulary in every process, whatever its seed.)"""
-    from data_prep.pipeline import sample_lines
+    from data_prep.pipeline import _uniform_sample, sample_lines
 
     models = []
     for run in ("a", "b"):
@@ -281,6 +281,13 @@ def test_subword_sample_is_the_same_in_every_process(tmp_path):
     positions = iter(range(len(lines)))
     assert all(any(lines[i] == line for i in positions) for line in sample)  # a subsequence
     assert not sample_lines(root, paths, "all", len(lines), 1)  # nothing to sample
+    # Every line equally likely, across chunk boundaries (4 of 10 numbers, chunks of 3).
+    rng, counts = np.random.default_rng(5), np.zeros(10)
+    for _ in range(20000):
+        drawn = _uniform_sample(10, 4, rng, chunk=3)
+        assert len(set(drawn.tolist())) == 4
+        counts[drawn] += 1
+    assert np.abs(counts / 20000 - 0.4).max() < 0.015
 
 
 # ---- the en-de run on newstest: training can read it -------------------------------------------

@@ -350,9 +350,12 @@ def _model_type(proto: bytes) -> str:
     .model_type (field 3; UNIGRAM = 1, the default when absent). Read from the bytes, as
     SentencePiece's Python API does not expose it and its protobuf module needs another package."""
     names = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}
-    for number, value in _fields(proto):
-        if number == 2:
-            return names.get(dict(_fields(value)).get(3, 1), "unknown")
+    try:
+        for number, value in _fields(proto):
+            if number == 2:
+                return names.get(dict(_fields(value)).get(3, 1), "unknown")
+    except (ValueError, IndexError):  # not readable here: then nothing relies on the type
+        return "unknown"
     return "unigram"
 
 
