@@ -2,7 +2,7 @@
 memory against corpus size, and a projection to WMT14 En-Fr on a larger machine.
 
     python bench/data_prep.py                          # workers 1 and nproc, corpus x1 and x8
-    python bench/data_prep.py --workers 1 2 --scale 8 --write bench/data_prep_results.md
+    python bench/data_prep.py --workers 1 2 --scale 8 --repeats 3 --write bench/data_prep_results.md
 
 The corpus (x1, ~45k En-De pairs) is real text from ../shared/data: newstest2013+2014, Multi30k
 train and the OpenNMT WMT sample; x8 repeats it with a copy number appended to both sides (so that
@@ -15,7 +15,8 @@ Throughput is lines/s (both sides) of the streaming steps, clean + encode + bina
 records' timings; the baseline is one process encoding the same raw lines with
 ``SentencePieceProcessor.encode`` one line at a time, nothing else. SentencePiece training is
 excluded from both (its sample is capped by --spm-sample-lines, set equal for x1 and x8 so that it
-costs the same memory in both).
+costs the same memory in both). Each configuration runs --repeats times, the worker counts
+interleaved; a row is the median run, and the ratios to one worker are given for every repeat.
 
 Projection. The step records hold each phase's wall time and the summed time of the worker tasks
 (data_prep/shards.py), wall and CPU. From the largest one-worker run: per pair, the work that
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -168,6 +170,8 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--project-pairs", type=int, default=36_000_000, help="corpus size of the projection")
     p.add_argument("--project-workers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each configuration (interleaved); the table shows the median run")
     p.add_argument("--write", type=Path, help="write the results as markdown to this file")
     args = p.parse_args()
     if not DATA.is_dir():
@@ -180,11 +184,20 @@ def main() -> None:
         raws = {1: tmp / "raw_x1", args.scale: tmp / f"raw_x{args.scale}"}
         sizes = {scale: write_corpus(raw, pairs, scale) for scale, raw in raws.items()}
         sample = 2 * sizes[1]  # the same SentencePiece sample at every scale
+        runs: dict[tuple[int, int], list[dict]] = {}
         for scale, raw in raws.items():
-            for w in args.workers:
-                res = run_prepare(raw, tmp / f"out_x{scale}_w{w}", w, args.vocab_size, sample)
-                rows.append(dict(scale=scale, workers=w, **res))
-                print(json.dumps(rows[-1]), flush=True)
+            for repeat in range(args.repeats):  # interleaved, so that a slow spell hits every worker count
+                for w in args.workers:
+                    out = tmp / f"out_x{scale}_w{w}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    res = dict(scale=scale, workers=w, repeat=repeat,
+                               **run_prepare(raw, out, w, args.vocab_size, sample))
+                    runs.setdefault((scale, w), []).append(res)
+                    print(json.dumps(res), flush=True)
+        for (scale, w), group in runs.items():  # the median run by throughput; the largest peak memory
+            row = sorted(group, key=lambda r: r["lines_per_s"])[len(group) // 2]
+            rows.append(dict(row, maxrss_mib=max(r["maxrss_mib"] for r in group),
+                             each_lines_per_s=[r["lines_per_s"] for r in group]))
         big = raws[args.scale]
         base = baseline_lines_per_s(big, tmp / f"out_x{args.scale}_w{args.workers[0]}" / "spm.model")
         print(json.dumps({"baseline_lines_per_s": base}), flush=True)
@@ -208,6 +221,15 @@ def main() -> None:
                      f"{r['lines_per_s'] / one['lines_per_s']:.2f} | {r['subword_s']:.1f} | "
                      f"{r['wall_s']:.1f} | {r['maxrss_mib']:.0f} |")
     lines.append("")
+    if args.repeats > 1:
+        lines.append(f"Each row is the median of {args.repeats} runs, interleaved across worker counts; "
+                     "the ratio to one worker in each repeat (runs side by side):  ")
+        for scale in raws:
+            one = next(r for r in rows if r["scale"] == scale and r["workers"] == min(args.workers))
+            for r in (r for r in rows if r["scale"] == scale and r["workers"] != min(args.workers)):
+                ratios = ", ".join(f"{a / b:.2f}" for a, b in zip(r["each_lines_per_s"], one["each_lines_per_s"]))
+                lines.append(f"x{scale}, {r['workers']} workers: {ratios}  ")
+        lines.append("")
     for w in args.workers:
         small = next(r for r in rows if r["scale"] == 1 and r["workers"] == w)
         large = next(r for r in rows if r["scale"] == args.scale and r["workers"] == w)

@@ -26,7 +26,6 @@ import re
 import unicodedata
 
 import numpy as np
-from sacremoses import MosesPunctNormalizer
 
 # ---- reading one side ------------------------------------------------------------------------
 
@@ -144,6 +143,8 @@ class PunctNormalizer:
     """
 
     def __init__(self, lang: str):
+        from sacremoses import MosesPunctNormalizer  # (here: a worker given a built one skips the ~0.2 s import)
+
         moses = MosesPunctNormalizer(lang=lang)
         if moses.pre_replace_unicode_punct or moses.post_remove_control_chars:
             raise AssertionError("unexpected sacremoses defaults")  # normalize() would differ

@@ -34,14 +34,17 @@ from tqdm import tqdm
 from admin_ds.data.binarize import MANIFEST, load_manifest, write_manifest
 from admin_ds.files import DirectoryLock, atomic_output
 from data_prep import PrepError
-from data_prep.clean import PunctNormalizer, decode_side, normalize
+from data_prep.clean import decode_side, normalize
 from data_prep.shards import (BUCKET_PAIRS, CleanShard, DropDuplicates, DuplicateBucket, EncodeShard,
-                              clean_shard, done, drop_duplicates, encode_shard, find_duplicates, shard_name)
+                              clean_shard, done, drop_duplicates, encode_shard, find_duplicates,
+                              punct_normalizer, shard_name)
 from data_prep.steps import StepLog, WorkerPool, chunked, make_key
 
 # Bump when a change to the code changes what a step writes: old step records then stop matching.
 # 2: the clean step's record lists its shards (the train step encodes the same shards).
 PREP_VERSION = 2
+# What a worker imports as it starts (the modules of the sharded steps' tasks).
+WORKER_MODULES = ("data_prep.shards", "admin_ds.data.subword", "admin_ds.data.indexed")
 # The training-pair filters, in the order they apply (clean step: 5, binarize step: 3).
 TRAIN_DROPS = ("overlong", "malformed", "invalid_utf8", "empty", "duplicate", "too_short", "too_long", "ratio")
 
@@ -97,41 +100,46 @@ def prepare(plan: Plan) -> Path:
     and options a complete directory is only verified."""
     t0 = time.perf_counter()
     log = plan.log
-    eval_pairs = {split: read_eval_pairs(plan, split) for split in ("valid", "test")}
-    log(f"[prep] fingerprinting the inputs ({', '.join(s.describe() for s in plan.train)})")
-    train_fp = [s.fingerprint() for s in plan.train]
-    eval_fp = {split: plan.evals[split].fingerprint() for split in eval_pairs}
-    request_key = make_key({"version": PREP_VERSION, "pair": [plan.src, plan.tgt], "train": train_fp,
-                            "eval": eval_fp, "subword": asdict(plan.subword),
-                            "filters": asdict(plan.filters)})
-    # Everything above only read the inputs: a broken input file leaves no output folder behind.
-    with open_output_dir(plan.out):
-        if _complete(plan.out, request_key):
-            log(f"[prep] {plan.out} is already prepared with these inputs and options (manifest verified)")
-            return plan.out
-        _run_steps(plan, request_key, train_fp, eval_fp, eval_pairs)
+    # One set of workers for both sharded steps, started now: they start up while this process
+    # reads and fingerprints the inputs (stopped unused when the output is already complete).
+    with WorkerPool(plan.workers, modules=WORKER_MODULES).start() as pool:
+        for lang in (plan.src, plan.tgt):
+            punct_normalizer(lang)  # built once, here, while the workers start (handed to them)
+        eval_pairs = {split: read_eval_pairs(plan, split) for split in ("valid", "test")}
+        log(f"[prep] fingerprinting the inputs ({', '.join(s.describe() for s in plan.train)})")
+        train_fp = [s.fingerprint() for s in plan.train]
+        eval_fp = {split: plan.evals[split].fingerprint() for split in eval_pairs}
+        request_key = make_key({"version": PREP_VERSION, "pair": [plan.src, plan.tgt], "train": train_fp,
+                                "eval": eval_fp, "subword": asdict(plan.subword),
+                                "filters": asdict(plan.filters)})
+        # Everything above only read the inputs: a broken input file leaves no output folder behind.
+        with open_output_dir(plan.out):
+            if _complete(plan.out, request_key):
+                log(f"[prep] {plan.out} is already prepared with these inputs and options (manifest verified)")
+                return plan.out
+            _run_steps(plan, request_key, train_fp, eval_fp, eval_pairs, pool)
     log(f"[prep] done in {time.perf_counter() - t0:.1f}s: {plan.out}")
     return plan.out
 
 
-def _run_steps(plan: Plan, request_key: str, train_fp: list, eval_fp: dict, eval_pairs: dict) -> None:
+def _run_steps(plan: Plan, request_key: str, train_fp: list, eval_fp: dict, eval_pairs: dict,
+               pool: WorkerPool) -> None:
     log = plan.log
     # From here on the directory is being changed: it must not look complete until the end.
     (plan.out / MANIFEST).unlink(missing_ok=True)
     plan.work.mkdir(exist_ok=True)
     steps = StepLog(plan.out, plan.work)
-    with WorkerPool(plan.workers) as pool:  # one set of workers for both sharded steps
-        clean = _step(steps, "clean", {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
-                                       "train": train_fp, "max_line_bytes": plan.filters.max_line_bytes},
-                      lambda key: run_clean(plan, steps, key, pool), log)
-        clean_digests = {k: v["sha256"] for k, v in clean["outputs"].items()}
-        subword = _step(steps, "subword", {"version": PREP_VERSION, "clean": clean_digests,
-                                           "options": asdict(plan.subword)},
-                        lambda key: run_subword(plan, steps, key), log)
-        spm_sha = subword["outputs"]["spm.model"]["sha256"]
-        train = _step(steps, "train", {"version": PREP_VERSION, "clean": clean_digests, "spm": spm_sha,
-                                       "filters": asdict(plan.filters)},
-                      lambda key: run_binarize_train(plan, steps, key, clean["stats"], pool), log)
+    clean = _step(steps, "clean", {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
+                                   "train": train_fp, "max_line_bytes": plan.filters.max_line_bytes},
+                  lambda key: run_clean(plan, steps, key, pool), log)
+    clean_digests = {k: v["sha256"] for k, v in clean["outputs"].items()}
+    subword = _step(steps, "subword", {"version": PREP_VERSION, "clean": clean_digests,
+                                       "options": asdict(plan.subword)},
+                    lambda key: run_subword(plan, steps, key), log)
+    spm_sha = subword["outputs"]["spm.model"]["sha256"]
+    train = _step(steps, "train", {"version": PREP_VERSION, "clean": clean_digests, "spm": spm_sha,
+                                   "filters": asdict(plan.filters)},
+                  lambda key: run_binarize_train(plan, steps, key, clean["stats"], pool), log)
     evals = {split: _step(steps, split, {"version": PREP_VERSION, "pair": [plan.src, plan.tgt],
                                          "source": eval_fp[split], "spm": spm_sha},
                           lambda key, split=split: run_eval_split(plan, steps, key, split,
@@ -228,18 +236,25 @@ def run_clean(plan: Plan, steps: StepLog, key: str, pool: WorkerPool) -> dict:
     owner: list[int] = []  # the source of each shard
     reused: dict[int, dict] = {}
 
+    punct = punct_normalizer(plan.src), punct_normalizer(plan.tgt)
+
     def clean_tasks():
         for i, source in enumerate(plan.train):
             plan.log(f"[prep] clean: reading {source.describe()}")
-            parts = ((r, None) for r in ranges[i]) if ranges[i] is not None else \
-                ((None, pairs) for pairs in chunked(source, plan.chunk_lines))
-            for byte_range, pairs in parts:
-                index = len(owner)
-                owner.append(i)
+            if ranges[i] is not None:  # the largest ranges first: the last tasks, run alone, are short
+                first = len(owner)
+                owner.extend([i] * len(ranges[i]))
+                parts = sorted(((first + k, r, None) for k, r in enumerate(ranges[i])),
+                               key=lambda part: -_range_bytes(part[1]))
+            else:
+                parts = ((len(owner), None, pairs) for pairs in chunked(source, plan.chunk_lines))
+            for index, byte_range, pairs in parts:
+                if pairs is not None:
+                    owner.append(i)
                 if (record := done(directory, shard_name(index))) is not None:
                     shard_stats[index] = reused[index] = record
                     continue
-                yield CleanShard(directory, index, (plan.src, plan.tgt), source, byte_range, pairs)
+                yield CleanShard(directory, index, punct, source, byte_range, pairs)
             if ranges[i] is None:
                 read_drops[i] = dict(source.dropped)
 
@@ -307,6 +322,13 @@ def run_clean(plan: Plan, steps: StepLog, key: str, pool: WorkerPool) -> dict:
     record = steps.mark_done("clean", key, [src_name, tgt_name], stats)
     shutil.rmtree(directory, ignore_errors=True)
     return record
+
+
+def _range_bytes(byte_range: tuple) -> int:
+    """The size of a source's shard: (start, stop), or one such range per side."""
+    if isinstance(byte_range[0], tuple):
+        return sum(stop - start for start, stop in byte_range)
+    return byte_range[1] - byte_range[0]
 
 
 def shard_folder(plan: Plan, step: str, key: str, layout) -> Path:
@@ -432,7 +454,7 @@ def run_binarize_train(plan: Plan, steps: StepLog, key: str, clean_stats: dict, 
         plan.log(f"[prep] train: {len(shard_stats)} of {len(layout)} shards left from an earlier run reused")
     tasks = [EncodeShard(directory, i, clean_files, (int(offsets[i, 0]), int(offsets[i + 1, 0])),
                          (int(offsets[i, 1]), int(offsets[i + 1, 1])), str(plan.out / "spm.model"),
-                         f.min_len, f.max_len, f.ratio)
+                         f.min_len, f.max_len, f.ratio, share_words=plan.workers > 1)
              for i in range(len(layout)) if i not in shard_stats]
     with tqdm(total=clean_stats["kept"], unit=" pairs", desc="binarize", disable=plan.quiet or None,
               mininterval=1) as bar:
@@ -473,7 +495,7 @@ def run_eval_split(plan: Plan, steps: StepLog, key: str, split: str, pairs: dict
     from admin_ds.data.subword import UNK, SubwordModel
 
     sp = SubwordModel(plan.out / "spm.model")
-    punct = {lang: PunctNormalizer(lang) for lang in (plan.src, plan.tgt)}
+    punct = {lang: punct_normalizer(lang) for lang in (plan.src, plan.tgt)}
     normalized = {plan.src: [normalize(s, punct[plan.src]) for s in pairs["src"]],
                   plan.tgt: [normalize(t, punct[plan.tgt]) for t in pairs["tgt"]]}
     text = {plan.src: normalized[plan.src], plan.tgt: pairs["tgt"]}

@@ -29,9 +29,11 @@ change of input or options never reuses a shard, and is removed when the step is
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,17 +93,18 @@ def _text(lines: list[bytes]) -> bytes:
 # ---- clean step --------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _punct(lang: str) -> PunctNormalizer:
+def punct_normalizer(lang: str) -> PunctNormalizer:
     return PunctNormalizer(lang)
 
 
 @dataclass
 class CleanShard:
     """One shard of raw pairs: a byte range that the worker reads from ``source``
-    (``source.read_shard(byte_range)``), or the raw pairs themselves."""
+    (``source.read_shard(byte_range)``), or the raw pairs themselves. ``punct``: the two sides'
+    normalisers, built once by the main process (small, a few kB pickled)."""
     directory: Path
     index: int
-    langs: tuple[str, str]
+    punct: tuple[PunctNormalizer, PunctNormalizer]
     source: object = None
     byte_range: tuple | None = None
     pairs: list | None = None
@@ -112,7 +115,7 @@ def clean_shard(task: CleanShard) -> dict:
     Returns the counts: ``pairs`` written, and the pairs dropped by name."""
     started = clock()
     name = shard_name(task.index)
-    punct_src, punct_tgt = _punct(task.langs[0]), _punct(task.langs[1])
+    punct_src, punct_tgt = task.punct
     raw = task.pairs if task.pairs is not None else list(task.source.read_shard(task.byte_range))
     src, tgt = [decode_side(s) for s, _ in raw], [decode_side(t) for _, t in raw]
     if None in src or None in tgt:
@@ -213,10 +216,40 @@ def _encoder_for(path: str, mtime_ns: int, size: int):
     return WordCachedEncoder(SubwordModel(path, num_threads=1))  # one process per core already
 
 
+# The word tables each process has taken in or written, by encoder (see take_in_words).
+_tables_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def take_in_words(directory: Path, encoder) -> None:
+    """Workers encoding with the same model share the words they learn (:func:`pass_on_words`
+    after a task, this before the next): a few dictionary inserts a word against a SentencePiece
+    encode. Without it every worker learns the corpus's vocabulary for itself: with two workers
+    ~20% more CPU for the whole encode step of a small corpus. The cache is exact whatever it
+    holds, so which tables a worker has seen changes its speed, never its output."""
+    seen = _tables_seen.setdefault(encoder, set())
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if entry.name.endswith(".words.npz") and entry.name not in seen:
+            seen.add(entry.name)
+            with np.load(entry.path, allow_pickle=False) as table:
+                encoder.add(table["words"].tobytes().decode("utf-8").split("\n"), table["lengths"], table["ids"])
+
+
+def pass_on_words(directory: Path, name: str, encoder) -> None:
+    """The words ``encoder`` learned in task ``name`` -> NAME.words.npz, for the other workers."""
+    words, lengths, ids = encoder.learned()
+    if words:
+        buffer = io.BytesIO()
+        np.savez(buffer, words=np.frombuffer("\n".join(words).encode("utf-8"), np.uint8),
+                 lengths=lengths.astype(np.int32), ids=ids.astype(np.int32))
+        _write(directory / f"{name}.words.npz", buffer.getvalue())
+        _tables_seen.setdefault(encoder, set()).add(f"{name}.words.npz")
+
+
 @dataclass
 class EncodeShard:
     """Lines ``[first, first + lines)`` of the cleaned text: ``src_range`` / ``tgt_range`` are
-    their byte ranges in the two files."""
+    their byte ranges in the two files. ``share_words``: exchange the learned words with the
+    other workers (:func:`take_in_words`)."""
     directory: Path
     index: int
     clean_files: tuple[str, str]
@@ -226,6 +259,7 @@ class EncodeShard:
     min_len: int
     max_len: int
     ratio: float
+    share_words: bool = False
 
 
 def _read_range(path: str, byte_range: tuple[int, int]) -> str:
@@ -244,8 +278,13 @@ def encode_shard(task: EncodeShard) -> dict:
     started = clock()
     name = shard_name(task.index)
     encoder = _encoder(task.spm_model)
+    if task.share_words:
+        take_in_words(task.directory, encoder)
+    encoder.learned()  # from here on: what this task learns, for pass_on_words
     src = encoder.encode_text(_read_range(task.clean_files[0], task.src_range))
     tgt = encoder.encode_text(_read_range(task.clean_files[1], task.tgt_range))
+    if task.share_words:
+        pass_on_words(task.directory, name, encoder)
     reasons = length_filter(src[1], tgt[1], task.min_len, task.max_len, task.ratio)
     stats = {name: int(np.count_nonzero(reasons == name)) for name in ("too_short", "too_long", "ratio")}
     keep = reasons == ""

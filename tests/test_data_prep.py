@@ -228,6 +228,43 @@ def test_word_cached_encoding_equals_sentencepiece(tmp_path):
 
 
 @needs_data
+def test_words_passed_between_encoders_give_sentencepiece_ids(tmp_path):
+    """Workers share learned words through files (data_prep.shards.pass_on_words /
+    take_in_words): an encoder that took in another's words encodes new text, and the text those
+    words came from, with SentencePiece's own ids, and learns nothing new on the latter (the words
+    were taken, not learned again); a cache too small for them takes none."""
+    from admin_ds.data.subword import WordCachedEncoder
+    from data_prep.shards import pass_on_words, take_in_words
+
+    model = _spm(tmp_path, "bpe")
+    lines = (WMT_ENDE / "newstest2014.de").read_text(encoding="utf-8").split("\n")[:-1]
+    first, second = lines[:1500] + EDGE_LINES, lines[1500:]
+    text = {id(part): "".join(line + "\n" for line in part) for part in (first, second)}
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    a = WordCachedEncoder(model)
+    a.encode_text(text[id(first)])
+    pass_on_words(shards, "000000", a)
+    assert (shards / "000000.words.npz").is_file() and a.learned()[0] == []
+
+    b = WordCachedEncoder(model)
+    b.encode_text("".join(line + "\n" for line in lines[2000:2100]))  # words of its own first
+    b.learned()
+    take_in_words(shards, b)
+    assert b.learned()[0] == []  # taken-in words are not passed on again
+    for part in (second, first):
+        ids, lengths = b.encode_text(text[id(part)])
+        expected = model.encode(part)
+        assert lengths.tolist() == [len(e) for e in expected]
+        assert ids.tolist() == [i for e in expected for i in e]
+    assert not set(b.learned()[0]) & set(first[0].split())  # the first text's words were known
+
+    small = WordCachedEncoder(model, max_words=100)
+    take_in_words(shards, small)
+    assert len(small._code) == 2
+
+
+@needs_data
 @pytest.mark.parametrize("model_type, options", [("unigram", {}), ("bpe", {"split_by_whitespace": False})])
 def test_word_cache_is_refused_where_words_are_not_independent(model_type, options, tmp_path):
     """A unigram model (float ties broken by the line's prefix) and a BPE model whose pieces may

@@ -382,6 +382,10 @@ class WordCachedEncoder:
     Per line that replaces SentencePiece's work (~10 us for a 15-word news sentence) by a few
     dictionary lookups per word; new words are encoded in one batched call. The cache holds at
     most ``max_words`` words (emptied when full), so memory stays bounded on any corpus.
+
+    Encoders of the same model in several processes can share what they learn: :meth:`learned`
+    gives the words learned since its last call, :meth:`add` takes them in another encoder
+    (~0.3 us a word against ~3 us to learn one).
     """
 
     _NEWLINE, _WHOLE_LINE = 0, 1  # codes of the "\n" token and of words that force the line whole
@@ -398,23 +402,63 @@ class WordCachedEncoder:
         self._start = np.zeros(2, np.int64)  # code -> first id in self._ids
         self._length = np.zeros(2, np.int64)  # code -> number of ids
         self._ids = np.zeros(0, np.int64)
+        self._new: list[str] = []  # learned here since the last learned()
 
     def _learn(self, words: list[str]) -> None:
         """Give each new word a code; plain ones get their ids, the others code _WHOLE_LINE."""
         sp = self.model._sp
         plain = [w for w, n in zip(words, sp.normalize(words)) if n == "\u2581" + w]
+        self._new += words
         for w in words:
             self._code[w] = self._WHOLE_LINE
-        if not plain:
-            return
-        encoded = self.model.encode(plain)
-        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        if plain:
+            encoded = self.model.encode(plain)
+            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+            self._append(plain, lengths, np.fromiter(itertools.chain.from_iterable(encoded), np.int64,
+                                                     int(lengths.sum())))
+
+    def _append(self, words: list[str], lengths: np.ndarray, ids: np.ndarray) -> None:
+        """Codes for ``words``, whose ids are ``ids`` in runs of ``lengths``."""
         first = len(self._start)
         self._start = np.concatenate([self._start, self._ids.size + np.cumsum(lengths) - lengths])
         self._length = np.concatenate([self._length, lengths])
-        self._ids = np.concatenate([self._ids, np.fromiter(itertools.chain.from_iterable(encoded), np.int64,
-                                                           int(lengths.sum()))])
-        self._code.update(zip(plain, range(first, first + len(plain))))
+        self._ids = np.concatenate([self._ids, ids])
+        self._code.update(zip(words, range(first, first + len(words))))
+
+    def learned(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """The words this encoder learned since the last call, for :meth:`add`: ``(words,
+        lengths, ids)``, the ids of ``words[i]`` being the next ``lengths[i]`` of ``ids``; length
+        -1 for a word whose lines are encoded whole."""
+        words, self._new = self._new, []
+        codes = np.fromiter(map(self._code.__getitem__, words), np.int64, len(words))
+        plain = codes != self._WHOLE_LINE
+        lengths = np.where(plain, self._length[codes], -1)
+        return words, lengths, self._gather(codes[plain])
+
+    def _gather(self, codes: np.ndarray) -> np.ndarray:
+        """The ids of the words with these codes, one after another."""
+        lengths = self._length[codes]
+        ends = np.cumsum(lengths)
+        return self._ids[np.arange(int(ends[-1]) if ends.size else 0)
+                         + np.repeat(self._start[codes] - (ends - lengths), lengths)]
+
+    def add(self, words: list[str], lengths: np.ndarray, ids: np.ndarray) -> None:
+        """Take what :meth:`learned` gave in an encoder of the same model (and therefore the same
+        ids); words already known are skipped, and nothing is taken into a cache that would
+        overflow."""
+        if not self.exact or len(self._code) + len(words) > self.max_words:
+            return
+        lengths = np.asarray(lengths, np.int64)
+        starts = np.cumsum(np.maximum(lengths, 0)) - np.maximum(lengths, 0)
+        new = np.fromiter((w not in self._code for w in words), bool, len(words))
+        plain = np.flatnonzero(new & (lengths >= 0))
+        for i in np.flatnonzero(new & (lengths < 0)).tolist():
+            self._code[words[i]] = self._WHOLE_LINE
+        if plain.size:
+            run = lengths[plain]
+            ends = np.cumsum(run)
+            taken = np.asarray(ids, np.int64)[np.arange(int(ends[-1])) + np.repeat(starts[plain] - (ends - run), run)]
+            self._append([words[i] for i in plain.tolist()], run, taken)
 
     def encode_text(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """Lines each ended by "\\n" (a text file's contents) -> (all ids in one int64 array, the
@@ -437,12 +481,10 @@ class WordCachedEncoder:
                 self._clear()
                 self._learn([w for w in dict.fromkeys(words) if w not in self._code])
                 codes = np.fromiter(map(self._code.__getitem__, words), np.int64, len(words))
-        lengths = self._length[codes]
-        ends = np.cumsum(lengths)
+        ends = np.cumsum(self._length[codes])
         newline = np.flatnonzero(codes == self._NEWLINE)
         line_lengths = np.diff(ends[newline], prepend=0)
-        ids = self._ids[np.arange(int(ends[-1]) if ends.size else 0)
-                        + np.repeat(self._start[codes] - (ends - lengths), lengths)]
+        ids = self._gather(codes)
         whole = np.flatnonzero(codes == self._WHOLE_LINE)
         if whole.size:
             ids, line_lengths = self._splice(text, ids, line_lengths, np.searchsorted(newline, whole))
