@@ -24,6 +24,14 @@ intra-op thread count for all (torch.set_num_threads; CTranslate2 intra_threads,
 for each of --threads. The report records the CPU's instruction-set flags: the ratio to CTranslate2
 moves with them (its backend: MKL/oneDNN on Intel, others elsewhere). --profile adds a
 torch.profiler breakdown of our beam search.
+
+A CPU with fewer instructions can be stood in for on this one by limiting both libraries (recorded
+in the report), e.g. an AVX2-only CPU (AMD EPYC before Zen 4), with CTranslate2 off MKL as on AMD:
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+    CT2_FORCE_CPU_ISA=AVX2 CT2_USE_MKL=0 python bench/decode.py ...
+
+It is the instruction set, not the other CPU (caches, clocks, memory differ).
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data/wmt14/en-de"
 # The instruction-set extensions that decide which kernels either library runs.
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+# Environment variables that make each library use less of the CPU than it has (to stand in for a
+# CPU without those instructions): torch's own kernels, oneDNN (in torch and in CTranslate2), MKL,
+# CTranslate2's kernels and its choice of MKL (it uses MKL only on Intel CPUs by default).
+_ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "CT2_FORCE_CPU_ISA",
+               "CT2_USE_MKL")
 
 
 def parse_args(argv=None):
@@ -76,8 +89,14 @@ def hardware() -> str:
     except OSError:
         pass
     have = " ".join(f for f in _FLAGS if f in flags) or "none of " + " ".join(_FLAGS)
-    return (f"{model}, {os.cpu_count()} logical CPUs visible, {platform.system()} {platform.release()}; "
+    text = (f"{model}, {os.cpu_count()} logical CPUs visible, {platform.system()} {platform.release()}; "
             f"flags: {have}")
+    if limits := {k: os.environ[k] for k in _ISA_LIMITS if os.environ.get(k)}:
+        import torch
+
+        text += (f"; instruction sets limited by {', '.join(f'{k}={v}' for k, v in limits.items())} "
+                 f"(torch's kernels: {torch.backends.cpu.get_cpu_capability()})")
+    return text
 
 
 def build(args, tmp: Path):

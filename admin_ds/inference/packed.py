@@ -30,6 +30,7 @@ This file imports torch and model.py only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -84,11 +85,36 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}"
 
 
-def _int8_engine() -> Optional[str]:
-    """PyTorch's quantized backend for Int8Linear: oneDNN where built in (AMX/VNNI kernels, the
-    fastest at decoding's row counts: bench/decode.py), else x86/FBGEMM; None: no int8 backend."""
+# PyTorch's quantized engines for Int8Linear, each with or without 7-bit activations (PyTorch's
+# reduce_range), in order of preference: oneDNN with full-range activations (its VNNI/AMX kernels
+# are exact and the fastest at decoding's row counts: bench/decode.py), then the others. On a CPU
+# without VNNI (AVX2 only: AMD EPYC before Zen 4, Intel before Cascade Lake) the u8 x s8 kernels
+# add pairs of products in 16 bits, which full-range activations overflow: the first candidate
+# that computes a product exactly enough (_int8_works) is used.
+_INT8_CANDIDATES = (("onednn", False), ("x86", False), ("onednn", True), ("x86", True), ("fbgemm", True))
+
+
+@functools.lru_cache(maxsize=None)
+def _int8_engine() -> Optional[tuple[str, bool]]:
+    """(engine, reduce_range) for Int8Linear on this CPU and build; None: no int8 backend works."""
     engines = torch.backends.quantized.supported_engines
-    return next((e for e in ("onednn", "x86", "fbgemm") if e in engines), None)
+    return next(((engine, reduce) for engine, reduce in _INT8_CANDIDATES
+                 if engine in engines and _int8_works(engine, reduce)), None)
+
+
+def _int8_works(engine: str, reduce_range: bool) -> bool:
+    """A random product and one built to overflow 16-bit pair sums (all activations at the top of
+    the uint8 range, all weights 127: each pair adds to 64,770) against F.linear."""
+    def make(w, b, activation):
+        return Int8Linear(w, b, activation, engine=engine, reduce_range=reduce_range)
+
+    try:
+        worst = make(torch.ones(8, 64), None, "none")(torch.full((2, 64), 3.0))
+        # Loose for the random case: the input's int8 rounding alone moves these outputs (std ~9)
+        # by up to ~0.3; the saturated case is off by thousands.
+        return torch.allclose(worst, torch.full_like(worst, 192.0), rtol=0.02) and _computes_linear(make, atol=1.0)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 @contextlib.contextmanager
@@ -114,18 +140,18 @@ class Int8Linear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str = "none",
-                 engine: Optional[str] = None) -> None:
+                 engine: Optional[str] = None, reduce_range: Optional[bool] = None) -> None:
         super().__init__()
         if activation not in ("none", "relu", "gelu"):
             raise ValueError(f"Int8Linear: unsupported activation {activation!r}")
-        engine = engine or _int8_engine()
         if engine is None:
-            raise NotImplementedError("this PyTorch build has no quantized CPU backend for int8 decoding")
+            if (choice := _int8_engine()) is None:
+                raise NotImplementedError("this PyTorch build has no working quantized CPU backend for int8 decoding")
+            engine, reduce_range = choice
         self.out_features, self.in_features = weight.shape
         self.activation, self.engine = activation, engine
-        # FBGEMM without VNNI can saturate 16-bit sums of products of full-range uint8 and int8:
-        # it wants activations in 7 bits (PyTorch's reduce_range); oneDNN does not.
-        self._reduce_range = engine != "onednn"
+        # 7-bit activations where 16-bit pair sums could overflow (see _INT8_CANDIDATES).
+        self._reduce_range = engine != "onednn" if reduce_range is None else reduce_range
         w = weight.detach().float().contiguous()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
         with _quantized_engine(engine):
@@ -143,7 +169,7 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"activation={self.activation}, engine={self.engine}")
+                f"activation={self.activation}, engine={self.engine}, reduce_range={self._reduce_range}")
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -183,8 +209,7 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
         if not cpu_fp32:
             raise ValueError(f"int8 decoding runs on the CPU from a float32 model, not {param.device.type} "
                              f"{str(param.dtype).replace('torch.', '')}")
-        # Loose: the input's int8 rounding alone moves these outputs (std ~9) by up to ~0.3.
-        if _int8_engine() is None or not _computes_linear(Int8Linear, atol=1.0):
+        if _int8_engine() is None:
             raise NotImplementedError("int8 decoding: this PyTorch build has no working quantized CPU backend")
         make = Int8Linear
     else:
