@@ -465,6 +465,16 @@ def test_packed_model_computes_what_the_plain_model_computes(kw):
         state = IncrementalState()
         steps = torch.cat([packed.decode(tgt[:, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
         assert (steps - want).abs().max() <= 1e-5 * scale
+        # One sentence: every product of a step has one row and takes the plain weight (F.linear).
+        from admin_ds.inference.packed import PackedLinear
+
+        one_row = [m for m in packed.modules() if isinstance(m, PackedLinear) and m.weight is not None]
+        assert len(one_row) == 6 * plain.cfg.num_decoder_layers + 1
+        want1 = plain(src[:1], tgt[:1])
+        enc, src_pad = packed.encode(src[:1], skip_padding=True)
+        state = IncrementalState()
+        steps = torch.cat([packed.decode(tgt[:1, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
+        assert (steps - want1).abs().max() <= 1e-5 * want1.abs().max()
 
 
 @needs_onednn
