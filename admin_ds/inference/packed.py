@@ -238,25 +238,26 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
     # The products of a decoder step, which run on one row when one sentence is decoded greedily.
     step = {id(m) for layer in model.decoder_layers
             for m in (layer.self_attn.out_proj, layer.encoder_attn.q_proj, layer.encoder_attn.out_proj,
-                      layer.ffn.fc1, layer.ffn.fc2)}
+                      layer.ffn.fc1, layer.ffn.fc2)} | {id(model.output_proj)}
 
-    def convert(linear: nn.Module, weight: torch.Tensor, bias, activation: str = "none", is_step: bool = False):
+    def convert(weight: torch.Tensor, bias, activation: str = "none", one_row: bool = False) -> nn.Module:
         if make is PackedLinear:
-            return PackedLinear(weight, bias, activation, one_row=is_step or id(linear) in step)
+            return PackedLinear(weight, bias, activation, one_row=one_row)
         return make(weight, bias, activation)
 
     for layer in model.decoder_layers:  # a step's Q, K and V in one product: one wider GEMM, not three
         attn = layer.self_attn
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        attn.qkv_proj = convert(None, torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]),
-                                is_step=True)
+        attn.qkv_proj = convert(torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]),
+                                one_row=True)
     for module in list(model.modules()):
         if isinstance(module, FeedForward) and module.activation in _FUSED and isinstance(module.fc1, nn.Linear):
-            module.fc1 = convert(module.fc1, module.fc1.weight, module.fc1.bias, _FUSED[module.activation][0])
+            module.fc1 = convert(module.fc1.weight, module.fc1.bias, _FUSED[module.activation][0],
+                                 one_row=id(module.fc1) in step)
             module.activation = _identity
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, convert(child, child.weight, child.bias, is_step=child is model.output_proj))
+                setattr(module, name, convert(child.weight, child.bias, one_row=id(child) in step))
     if model.output_proj is None:  # tied: the embedding matrix also projects to the vocabulary
-        model.output_proj = convert(None, model.target_embedding.weight, None, is_step=True)
+        model.output_proj = convert(model.target_embedding.weight, None, one_row=True)
     return model
