@@ -280,7 +280,7 @@ def encode_shard(task: EncodeShard) -> dict:
     encoder = _encoder(task.spm_model)
     if task.share_words:
         take_in_words(task.directory, encoder)
-    encoder.learned()  # from here on: what this task learns, for pass_on_words
+        encoder.learned()  # from here on: what this task learns, for pass_on_words
     src = encoder.encode_text(_read_range(task.clean_files[0], task.src_range))
     tgt = encoder.encode_text(_read_range(task.clean_files[1], task.tgt_range))
     if task.share_words:

@@ -243,6 +243,7 @@ def test_words_passed_between_encoders_give_sentencepiece_ids(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
     a = WordCachedEncoder(model)
+    assert a.learned()[0] == []  # starts the record: an encoder that never shares keeps none
     a.encode_text(text[id(first)])
     pass_on_words(shards, "000000", a)
     assert (shards / "000000.words.npz").is_file() and a.learned()[0] == []

@@ -395,6 +395,7 @@ class WordCachedEncoder:
         sp = model._sp
         self.exact = (model.model_type == "bpe" and sp.normalize("a b") == "\u2581a\u2581b"
                       and not any("\u2581" in sp.id_to_piece(i)[1:] for i in range(sp.get_piece_size())))
+        self._new: list[str] | None = None  # words learned since the last learned(), once it was called
         self._clear()
 
     def _clear(self) -> None:
@@ -402,13 +403,15 @@ class WordCachedEncoder:
         self._start = np.zeros(2, np.int64)  # code -> first id in self._ids
         self._length = np.zeros(2, np.int64)  # code -> number of ids
         self._ids = np.zeros(0, np.int64)
-        self._new: list[str] = []  # learned here since the last learned()
+        if self._new is not None:
+            self._new = []
 
     def _learn(self, words: list[str]) -> None:
         """Give each new word a code; plain ones get their ids, the others code _WHOLE_LINE."""
         sp = self.model._sp
         plain = [w for w, n in zip(words, sp.normalize(words)) if n == "\u2581" + w]
-        self._new += words
+        if self._new is not None:
+            self._new += words
         for w in words:
             self._code[w] = self._WHOLE_LINE
         if plain:
@@ -428,8 +431,9 @@ class WordCachedEncoder:
     def learned(self) -> tuple[list[str], np.ndarray, np.ndarray]:
         """The words this encoder learned since the last call, for :meth:`add`: ``(words,
         lengths, ids)``, the ids of ``words[i]`` being the next ``lengths[i]`` of ``ids``; length
-        -1 for a word whose lines are encoded whole."""
-        words, self._new = self._new, []
+        -1 for a word whose lines are encoded whole. The first call starts the record (an encoder
+        that never shares keeps none)."""
+        words, self._new = self._new or [], []
         codes = np.fromiter(map(self._code.__getitem__, words), np.int64, len(words))
         plain = codes != self._WHOLE_LINE
         lengths = np.where(plain, self._length[codes], -1)
