@@ -507,6 +507,105 @@ def test_inference_rewrite_leaves_other_models_alone(copy_models, monkeypatch):
     assert count_packed(packed_copy(copy_models.full)) == 0
 
 
+# ---- 8b. the flat decoder step (admin_ds/inference/step.py) -------------------------------------
+
+
+def stepwise_logits(model, step, src, tgt, beams):
+    """Logits (R, T, V) of ``tgt`` (R = beams x sentences, each sentence's rows adjacent) decoded
+    position by position through ``step``, with a beam-search-like reorder of the cached rows
+    after every position (rows of a sentence swapped among themselves)."""
+    from admin_ds.model.layers import IncrementalState
+
+    enc, src_pad = model.encode(src, skip_padding=True)
+    state, out = IncrementalState(capacity=2), []  # capacity 2: the cache grows while decoding
+    rows = tgt.size(0)
+    swap = torch.arange(rows).view(-1, beams).flip(1).reshape(-1)
+    for t in range(tgt.size(1)):
+        out.append(step(tgt[:, t:t + 1], enc, src_pad, state))
+        state.reorder(swap)
+        tgt = tgt.index_select(0, swap)
+        out = [o.index_select(0, swap) for o in out]
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("kw", [dict(init="admin"), dict(init="admin", fold=True),
+                                dict(activation="gelu", init="deepnorm"), dict(init="t-fixup"),
+                                dict(share_all_embeddings=False, share_decoder_input_output_embed=False,
+                                     norm_order="pre", init="default")])
+@pytest.mark.parametrize("rewrite", ["plain", "fp32", "int8"])
+def test_decoder_step_computes_what_model_decode_computes(kw, rewrite):
+    """The flat step against the modules' incremental path (model.decode, itself checked against
+    the full forward in test_model.py): every residual kind (omega, DeepNorm's alpha, plain), no
+    LayerNorm (T-Fixup), Pre-LN with its final norm, a folded model's embedding scale, GELU; on
+    the plain model, with packed weights and in int8; three beams per sentence over sources of
+    mixed lengths (padding masked), reordered between steps, the cache grown twice."""
+    from admin_ds.inference.packed import optimize_for_decoding, packed_linear_available
+    from admin_ds.inference.step import DecoderStep, decoder_step
+    from admin_ds.model.fold import fold_omega
+
+    kw = dict(kw)
+    fold = kw.pop("fold", False)
+    if rewrite == "fp32" and not packed_linear_available():
+        pytest.skip("this PyTorch build has no oneDNN linear ops")
+    model, src, _ = tiny_model_and_batch(kw)
+    if fold:  # omega != 1 at the first sub-layer of a stack: the folded model scales its embeddings
+        from admin_ds.model.residual import iter_residuals
+
+        for r in iter_residuals(model):
+            r.set_omega(1.0 + 0.5 * torch.rand(r.omega.shape, generator=torch.Generator().manual_seed(r.index)))
+        model = fold_omega(model)
+        assert model.cfg.embedding_output_scale
+    if rewrite != "plain":
+        model = optimize_for_decoding(model, rewrite)
+    step = decoder_step(model)
+    assert isinstance(step, DecoderStep)
+    beams = 3
+    src = src[:4]
+    assert bool(src.eq(PAD).any())  # mixed lengths: the encoder-attention mask matters
+    tgt = torch.cat([torch.full((4 * beams, 1), EOS), torch.randint(4, 1000, (4 * beams, 6))], dim=1)
+    with torch.no_grad():
+        want = stepwise_logits(model, lambda *a: model.decode(*a)[:, -1], src, tgt, beams)
+        got = stepwise_logits(model, step, src, tgt, beams)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    one = [stepwise_logits(model, f, src[:1], tgt[:1], 1) for f in (step, lambda *a: model.decode(*a)[:, -1])]
+    assert (one[0] - one[1]).abs().max() <= 1e-5 * one[1].abs().max()  # one row: the F.linear path
+
+
+def test_decoder_step_leaves_a_replaced_or_recorded_decode_to_the_model(copy_models):
+    """A decode replaced on the instance (with_logit_bias) or a residual recorder attached
+    (profiling): decoding calls model.decode, and the searches see what it returns."""
+    from admin_ds.inference.step import DecoderStep, decoder_step
+    from admin_ds.model.residual import attach_recorder
+
+    model = copy_models.half
+    assert isinstance(decoder_step(model), DecoderStep)
+    biased = with_logit_bias(model, {5: 50.0})
+    assert not isinstance(decoder_step(biased), DecoderStep)
+    src, _ = sources(3, 4)
+    assert all(set(h) == {5} for h in greedy(biased, src, max_len_a=0, max_len_b=4, min_len=4))
+    with attach_recorder(model, lambda residual, x, y: residual.combine(x, y)):
+        assert not isinstance(decoder_step(model), DecoderStep)
+
+
+def test_searches_through_the_flat_step_equal_searches_through_the_modules(copy_models):
+    """Greedy, sampling and beam search (n-best, scores) on the half-trained copy model, whose
+    hypotheses end at varied lengths (rows leave the batch, beams reorder): the same results when
+    every step goes through model.decode (a decode set on the instance is always used)."""
+    model = copy_models.half
+    modules = copy.deepcopy(model)
+    modules.decode = modules.decode  # the bound method, set on the instance: no flat step
+    src, _ = sources(21, 24)
+    kw = dict(max_len_a=1.0, max_len_b=3)
+    assert greedy(model, src, **kw) == greedy(modules, src, **kw)
+    assert sample(model, src, seed=3, **kw) == sample(modules, src, seed=3, **kw)
+    got = beam_search(model, src, beam=4, nbest=4, lenpen=0.6, **kw)
+    want = beam_search(modules, src, beam=4, nbest=4, lenpen=0.6, **kw)
+    assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in want]
+    for hs, ws in zip(got, want):
+        for h, w in zip(hs, ws):
+            assert h.score == pytest.approx(w.score, abs=1e-5)
+
+
 # ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------
 
 

@@ -11,7 +11,8 @@ hypotheses are returned without their final EOS. The maximum output length of a 
 capped at ``model max_positions - 1``; at that length EOS is forced. Scores are log-probabilities
 computed in float32 whatever the model's dtype.
 
-This file imports torch and model.py only.
+Each step runs through ``step.decoder_step`` (the same computation as ``model.decode`` in fewer
+operators). This file imports torch and model.py only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from admin_ds.inference.step import decoder_step
 from admin_ds.model.layers import IncrementalState
 
 __all__ = ["Hypothesis", "greedy", "beam_search", "sample"]
@@ -121,11 +123,12 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
     max_len, min_max_len = (int(v) for v in torch.stack([max_lens.max(), max_lens.min()]).tolist())
     enc, src_pad = model.encode(src, skip_padding=True)
     state = IncrementalState(capacity=max_len + 1)
+    step_logits = decoder_step(model)
     out = torch.full((B, max_len + 1), pad, dtype=torch.long, device=src.device)
     orig = torch.arange(B, device=src.device)
     cur = torch.full((B, 1), eos, dtype=torch.long, device=src.device)
     for step in range(max_len + 1):
-        logits = model.decode(cur, enc, src_pad, state)[:, -1]
+        logits = step_logits(cur, enc, src_pad, state)
         force = max_lens.le(step) if step >= min_max_len else None
         lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len, temperature)
         tok = choose(lp)
@@ -231,6 +234,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     # and share its encoder output (see MultiheadAttention._encoder_attention_step).
     enc, src_pad = model.encode(src, skip_padding=True)
     state = IncrementalState(capacity=max_len + 1)
+    step_logits = decoder_step(model)
 
     # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
     # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.
@@ -249,7 +253,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     for step in range(max_len + 1):
         rows = tokens.size(0)
         bsz = rows // rows_per
-        logits = model.decode(tokens[:, -1:], enc, src_pad, state)[:, -1]
+        logits = step_logits(tokens[:, -1:], enc, src_pad, state)
         V = logits.size(-1)
         force = None
         if step >= min_max_len:

@@ -85,7 +85,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.weight is not None and x2.shape[0] == 1:
             y = F.linear(x2, self.weight, self.bias)
             if self.activation == "relu":
@@ -95,7 +95,7 @@ class PackedLinear(nn.Module):
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, self.activation, [],
                                                    self._algorithm)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}"

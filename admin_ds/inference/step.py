@@ -1,0 +1,189 @@
+"""One incremental decoder step in few operators: the inner loop of greedy, beam search and sampling.
+
+``model.decode(tokens, enc, src_pad, state)`` runs a step through the modules: per decoder layer
+some sixteen module calls, closures, dropout calls that do nothing in eval mode, and views. When
+one or a few sentences are decoded, every product has one or a few rows and runs for tens of
+microseconds, so that bookkeeping took as long as the products themselves (bench/decode.py
+--profile: half of a base-6L-6L greedy step at batch 1). ``DecoderStep`` runs the same computation
+from the same tensors as one flat loop: per layer, its seven products through their modules (a
+Linear, or decoding's PackedLinear / Int8Linear), attention of the new position over the cached
+keys as two batched products, and each residual with its LayerNorm in two operators.
+
+Shapes: R decoder rows (sentences x beams), b sentences (encoder rows), S source length, D model
+dim, H heads, Dh = D / H, V vocabulary; n target positions decoded so far, this one included.
+
+    x (R, D) ─┬─ qkv ─ [k, v -> state] ─ softmax(q k^T / sqrt(Dh)) v ─ out ─┐
+              └───────────────────── scale * x ─────────────────────────(+)── LN ──> (Post-LN)
+
+``model.decode`` stays the reference: the first step (it computes each layer's encoder keys and
+values into ``state``), several new positions at once, a model in training mode, a residual with a
+profiling recorder attached, a norm other than LayerNorm, and a model whose ``decode`` was replaced
+on the instance all go through it. tests/test_decode.py checks that the two compute the same
+logits and translations.
+
+This file imports torch and model.py only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from admin_ds.model.layers import DecoderLayer, IncrementalState
+from admin_ds.model.transformer import EncoderDecoder
+
+__all__ = ["DecoderStep", "decoder_step"]
+
+Product = Callable[[torch.Tensor], torch.Tensor]
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, IncrementalState], torch.Tensor]
+
+
+class _Norm(NamedTuple):
+    shape: tuple[int, ...]
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    eps: float
+
+
+class _Layer(NamedTuple):
+    """What one decoder layer's step reads: its modules and tensors, in forward order."""
+    self_key: int  # the IncrementalState keys of its two attentions
+    cross_key: int
+    # The products: Linear, PackedLinear or Int8Linear (packed.py), each (N, in) -> (N, out).
+    qkv: Optional[Product]  # one product for Q, K and V (packed.py), or None: three
+    q: Product
+    k: Product
+    v: Product
+    self_out: Product
+    cross_q: Product
+    cross_out: Product
+    fc1: Product
+    activation: Product  # identity when fused into fc1
+    fc2: Product
+    norms: tuple[Optional[_Norm], Optional[_Norm], Optional[_Norm]]  # None: no norm (T-Fixup)
+    scales: tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]  # None: 1
+
+
+def _norm_of(module: nn.Module) -> Optional[_Norm]:
+    if isinstance(module, nn.Identity):
+        return None
+    if isinstance(module, nn.LayerNorm):
+        return _Norm(tuple(module.normalized_shape), module.weight, module.bias, module.eps)
+    raise TypeError(f"no flat step for {type(module).__name__}")
+
+
+def _direct(module: Optional[nn.Module]):
+    """The module's forward without nn.Module's call machinery (~3 us a call, 37 calls a step of a
+    base decoder), or the module itself where hooks are registered on it."""
+    if module is None or module._forward_hooks or module._forward_pre_hooks:
+        return module
+    return module.forward
+
+
+def _layer_of(layer: DecoderLayer) -> _Layer:
+    sa, ca, ffn = layer.self_attn, layer.encoder_attn, layer.ffn
+    residuals = (layer.self_attn_residual, layer.encoder_attn_residual, layer.ffn_residual)
+    if any(r.recorder is not None for r in residuals):
+        raise TypeError("a residual recorder is attached")
+    products = (sa.qkv_proj, sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, ca.q_proj, ca.out_proj, ffn.fc1)
+    return _Layer(id(sa), id(ca), *map(_direct, products), ffn.activation, _direct(ffn.fc2),
+                  tuple(_norm_of(n) for n in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm,
+                                              layer.final_layer_norm)),
+                  tuple(r.shortcut_scale() for r in residuals))
+
+
+def _residual(x: torch.Tensor, y: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """scale * x + y (Residual.combine) into y, a product's fresh output."""
+    return y.add_(x) if scale is None else torch.addcmul(y, scale, x)
+
+
+def _layer_norm(x: torch.Tensor, norm: Optional[_Norm]) -> torch.Tensor:
+    return x if norm is None else F.layer_norm(x, norm.shape, norm.weight, norm.bias, norm.eps)
+
+
+class DecoderStep:
+    """``step(tokens (R, 1), enc, src_pad, state) -> logits (R, V)`` for one new position of every
+    row: the computation of ``model.decode(...)[:, -1]`` with far fewer operators."""
+
+    def __init__(self, model: EncoderDecoder) -> None:
+        self.model = model
+        self.post = model.cfg.norm_order == "post"
+        self.heads = model.cfg.num_heads
+        self.layers = [_layer_of(layer) for layer in model.decoder_layers]
+        self.final_norm = None if model.decoder_layer_norm is None else _norm_of(model.decoder_layer_norm)
+        self._pad_seen: Optional[torch.Tensor] = None  # the last src_pad, and the mask made of it
+        self._mask: Optional[torch.Tensor] = None
+
+    def __call__(self, tokens: torch.Tensor, enc: torch.Tensor, src_pad: torch.Tensor,
+                 state: IncrementalState) -> torch.Tensor:
+        first = self.layers and state.encoder_kv(self.layers[0].cross_key) is None
+        if first or tokens.size(1) != 1 or self.model.training:
+            return self.model.decode(tokens, enc, src_pad, state)[:, -1]
+        if src_pad is not self._pad_seen:  # (b * H, 1, S) for the 3-D products; no padding: no mask
+            b, s = src_pad.shape
+            self._pad_seen = src_pad
+            self._mask = (src_pad[:, None, :].expand(b, self.heads, s).reshape(b * self.heads, 1, s)
+                          if bool(src_pad.any()) else None)
+        mask = self._mask
+        rows = tokens.size(0)
+        x = self.model.embed_target(tokens, state.length).view(rows, -1)
+        for layer in self.layers:
+            (n1, n2, n3), (s1, s2, s3) = layer.norms, layer.scales
+            if self.post:  # LN(scale * x + f(x)), layers._SubLayers
+                x = _layer_norm(_residual(x, self._self_attention(layer, x, state), s1), n1)
+                x = _layer_norm(_residual(x, self._encoder_attention(layer, x, state, mask), s2), n2)
+                x = _layer_norm(_residual(x, layer.fc2(layer.activation(layer.fc1(x))), s3), n3)
+            else:  # scale * x + f(LN(x))
+                x = _residual(x, self._self_attention(layer, _layer_norm(x, n1), state), s1)
+                x = _residual(x, self._encoder_attention(layer, _layer_norm(x, n2), state, mask), s2)
+                h = _layer_norm(x, n3)
+                x = _residual(x, layer.fc2(layer.activation(layer.fc1(h))), s3)
+        state.length += 1
+        return self.model.project(_layer_norm(x, self.final_norm))
+
+    def _self_attention(self, layer: _Layer, x: torch.Tensor, state: IncrementalState) -> torch.Tensor:
+        rows, d = x.shape
+        h, dh = self.heads, d // self.heads
+        if layer.qkv is not None:
+            q, k, v = layer.qkv(x).view(rows, 3, h, 1, dh).unbind(1)
+        else:
+            q, k, v = (proj(x).view(rows, h, 1, dh) for proj in (layer.q, layer.k, layer.v))
+        k, v = state.append(layer.self_key, k, v)  # (R, H, n, Dh), views of the cache
+        n = k.size(2)
+        # R * H products of one query with n keys (R and H merge without a copy in the cache).
+        scores = torch.bmm(q.reshape(rows * h, 1, dh), k.reshape(rows * h, n, dh).transpose(1, 2))
+        out = torch.bmm(self._softmax(scores.mul_(dh ** -0.5)), v.reshape(rows * h, n, dh))
+        return layer.self_out(out.view(rows, d))
+
+    def _encoder_attention(self, layer: _Layer, x: torch.Tensor, state: IncrementalState,
+                           mask: Optional[torch.Tensor]) -> torch.Tensor:
+        k_t, v = state.encoder_kv(layer.cross_key)  # (b, H, Dh, S), (b, H, S, Dh): one row per sentence
+        rows, d = x.shape
+        (b, h, dh, s), per = k_t.shape, rows // k_t.size(0)
+        # A sentence's rows (its beams) are queries of that sentence: its keys are read once.
+        q = layer.cross_q(x).view(b, per, h, dh).transpose(1, 2).reshape(b * h, per, dh)
+        scores = torch.bmm(q, k_t.view(b * h, dh, s)).mul_(dh ** -0.5)
+        if mask is not None:
+            scores.masked_fill_(mask, float("-inf"))
+        out = torch.bmm(self._softmax(scores), v.view(b * h, s, dh))
+        return layer.cross_out(out.view(b, h, per, dh).transpose(1, 2).reshape(rows, d))
+
+    def _softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """Over the keys, in float32 whatever the model's dtype (layers.MultiheadAttention._attend)."""
+        if scores.dtype == torch.float32:
+            return scores.softmax(dim=-1)
+        return scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
+
+
+def decoder_step(model: nn.Module) -> Step:
+    """The step function decoding runs: a ``DecoderStep`` where it computes what ``model.decode``
+    does, else ``model.decode`` itself (the last position's logits)."""
+    try:
+        if not isinstance(model, EncoderDecoder) or "decode" in vars(model):
+            raise TypeError("not the model's own decode")
+        return DecoderStep(model)
+    except TypeError:
+        return lambda tokens, enc, src_pad, state: model.decode(tokens, enc, src_pad, state)[:, -1]
