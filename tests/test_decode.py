@@ -122,6 +122,17 @@ def sequence_score(model, src1, hyp, lenpen):
     return float(pos.sum()) / len(out) ** lenpen, pos
 
 
+def assert_same_searches(model, reference, src, **kw):
+    """Greedy and beam search (4-best, with their scores) of ``model`` equal ``reference``'s."""
+    assert greedy(model, src, **kw) == greedy(reference, src, **kw)
+    got = beam_search(model, src, beam=4, nbest=4, lenpen=0.6, **kw)
+    want = beam_search(reference, src, beam=4, nbest=4, lenpen=0.6, **kw)
+    assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in want]
+    for hs, ws in zip(got, want):
+        for h, w in zip(hs, ws):
+            assert h.score == pytest.approx(w.score, abs=1e-5)
+
+
 # ---- 1. beam 1 is greedy ------------------------------------------------------------------------
 
 
@@ -484,15 +495,8 @@ def test_packed_model_translates_like_the_plain_model(copy_models):
     plain = copy_models.half
     packed = packed_copy(plain)
     assert count_packed(packed) > 0
-    src, _ = sources(11, 24)
     kw = dict(max_len_a=1.0, max_len_b=3)
-    assert greedy(packed, src, **kw) == greedy(plain, src, **kw)
-    got = beam_search(packed, src, beam=4, nbest=4, lenpen=0.6, **kw)
-    want = beam_search(plain, src, beam=4, nbest=4, lenpen=0.6, **kw)
-    assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in want]
-    for hs, ws in zip(got, want):
-        for h, w in zip(hs, ws):
-            assert h.score == pytest.approx(w.score, abs=1e-5)
+    assert_same_searches(packed, plain, sources(11, 24)[0], **kw)
     tok = IntTokenizer()
     lines = [" ".join(map(str, s[:-1])) for s in sources(12, 30)[1]]
     assert translate(packed, tok, lines, max_tokens=40, **kw) == translate(plain, tok, lines, max_tokens=40, **kw)
@@ -596,14 +600,8 @@ def test_searches_through_the_flat_step_equal_searches_through_the_modules(copy_
     modules.decode = modules.decode  # the bound method, set on the instance: no flat step
     src, _ = sources(21, 24)
     kw = dict(max_len_a=1.0, max_len_b=3)
-    assert greedy(model, src, **kw) == greedy(modules, src, **kw)
+    assert_same_searches(model, modules, src, **kw)
     assert sample(model, src, seed=3, **kw) == sample(modules, src, seed=3, **kw)
-    got = beam_search(model, src, beam=4, nbest=4, lenpen=0.6, **kw)
-    want = beam_search(modules, src, beam=4, nbest=4, lenpen=0.6, **kw)
-    assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in want]
-    for hs, ws in zip(got, want):
-        for h, w in zip(hs, ws):
-            assert h.score == pytest.approx(w.score, abs=1e-5)
 
 
 # ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------
