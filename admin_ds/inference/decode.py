@@ -12,7 +12,7 @@ capped at ``model max_positions - 1``; at that length EOS is forced. Scores are 
 computed in float32 whatever the model's dtype.
 
 Each step runs through ``step.decoder_step`` (the same computation as ``model.decode`` in fewer
-operators). This file imports torch and model.py only.
+operators). This file imports torch, model.py and step.py only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 some sixteen module calls, closures, dropout calls that do nothing in eval mode, and views. When
 one or a few sentences are decoded, every product has one or a few rows and runs for tens of
 microseconds, so that bookkeeping took as long as the products themselves (bench/decode.py
---profile: half of a base-6L-6L greedy step at batch 1). ``DecoderStep`` runs the same computation
+--profile, and side by side: about half of a base-6L-6L greedy step at batch 1). ``DecoderStep`` runs the same computation
 from the same tensors as one flat loop: per layer, its seven products through their modules (a
 Linear, or decoding's PackedLinear / Int8Linear), attention of the new position over the cached
 keys as two batched products, and each residual with its LayerNorm in two operators.
