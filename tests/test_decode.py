@@ -536,21 +536,19 @@ def stepwise_logits(model, step, src, tgt, beams):
                                 dict(activation="gelu", init="deepnorm"), dict(init="t-fixup"),
                                 dict(share_all_embeddings=False, share_decoder_input_output_embed=False,
                                      norm_order="pre", init="default")])
-@pytest.mark.parametrize("rewrite", ["plain", "fp32", "int8"])
+@pytest.mark.parametrize("rewrite", ["plain", pytest.param("fp32", marks=needs_onednn), "int8"])
 def test_decoder_step_computes_what_model_decode_computes(kw, rewrite):
     """The flat step against the modules' incremental path (model.decode, itself checked against
     the full forward in test_model.py): every residual kind (omega, DeepNorm's alpha, plain), no
     LayerNorm (T-Fixup), Pre-LN with its final norm, a folded model's embedding scale, GELU; on
     the plain model, with packed weights and in int8; three beams per sentence over sources of
     mixed lengths (padding masked), reordered between steps, the cache grown twice."""
-    from admin_ds.inference.packed import optimize_for_decoding, packed_linear_available
+    from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.inference.step import DecoderStep, decoder_step
     from admin_ds.model.fold import fold_omega
 
     kw = dict(kw)
     fold = kw.pop("fold", False)
-    if rewrite == "fp32" and not packed_linear_available():
-        pytest.skip("this PyTorch build has no oneDNN linear ops")
     model, src, _ = tiny_model_and_batch(kw)
     if fold:  # omega != 1 at the first sub-layer of a stack: the folded model scales its embeddings
         from admin_ds.model.residual import iter_residuals

@@ -17,8 +17,8 @@ dim, H heads, Dh = D / H, V vocabulary; n target positions decoded so far, this 
 
 ``model.decode`` stays the reference: the first step (it computes each layer's encoder keys and
 values into ``state``), several new positions at once, a model in training mode, a residual with a
-profiling recorder attached, a norm other than LayerNorm, and a model whose ``decode`` was replaced
-on the instance all go through it. tests/test_decode.py checks that the two compute the same
+profiling recorder attached, a residual other than ``scale * x + y``, a norm other than LayerNorm,
+and a model whose ``decode`` was replaced on the instance all go through it. tests/test_decode.py checks that the two compute the same
 logits and translations.
 
 This file imports torch and model.py only.
@@ -33,12 +33,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from admin_ds.model.layers import DecoderLayer, IncrementalState
+from admin_ds.model.residual import OmegaResidual, PlainResidual, ScaledResidual
 from admin_ds.model.transformer import EncoderDecoder
 
 __all__ = ["DecoderStep", "decoder_step"]
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, IncrementalState], torch.Tensor]
+
+
+class _Unsupported(Exception):
+    """Something the flat step does not compute: decoding goes through model.decode."""
 
 
 class _Norm(NamedTuple):
@@ -72,7 +77,7 @@ def _norm_of(module: nn.Module) -> Optional[_Norm]:
         return None
     if isinstance(module, nn.LayerNorm):
         return _Norm(tuple(module.normalized_shape), module.weight, module.bias, module.eps)
-    raise TypeError(f"no flat step for {type(module).__name__}")
+    raise _Unsupported(f"norm {type(module).__name__}")
 
 
 def _direct(module: Optional[nn.Module]):
@@ -87,7 +92,9 @@ def _layer_of(layer: DecoderLayer) -> _Layer:
     sa, ca, ffn = layer.self_attn, layer.encoder_attn, layer.ffn
     residuals = (layer.self_attn_residual, layer.encoder_attn_residual, layer.ffn_residual)
     if any(r.recorder is not None for r in residuals):
-        raise TypeError("a residual recorder is attached")
+        raise _Unsupported("a residual recorder is attached")
+    if not all(isinstance(r, (PlainResidual, OmegaResidual, ScaledResidual)) for r in residuals):
+        raise _Unsupported("a residual other than scale * x + y")
     products = (sa.qkv_proj, sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, ca.q_proj, ca.out_proj, ffn.fc1)
     return _Layer(id(sa), id(ca), *map(_direct, products), ffn.activation, _direct(ffn.fc2),
                   tuple(_norm_of(n) for n in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm,
@@ -183,7 +190,7 @@ def decoder_step(model: nn.Module) -> Step:
     does, else ``model.decode`` itself (the last position's logits)."""
     try:
         if not isinstance(model, EncoderDecoder) or "decode" in vars(model):
-            raise TypeError("not the model's own decode")
+            raise _Unsupported("not the model's own decode")
         return DecoderStep(model)
-    except TypeError:
+    except _Unsupported:
         return lambda tokens, enc, src_pad, state: model.decode(tokens, enc, src_pad, state)[:, -1]
