@@ -417,10 +417,10 @@ def run_subword(plan: Plan, steps: StepLog, key: str) -> dict:
     inputs = list(plan.clean_paths())
     if sample_lines(plan.out, inputs, "work/spm.sample", opt.sample_lines, opt.seed):
         inputs = ["work/spm.sample"]
-    cwd = os.getcwd()
-    os.chdir(plan.out)
+    cwd, out = os.getcwd(), plan.out.resolve()  # resolved before the chdir: plan.out may be relative
+    os.chdir(out)
     try:
-        train_subword_model(inputs, plan.out.resolve() / "spm", opt.vocab_size,
+        train_subword_model(inputs, out / "spm", opt.vocab_size,
                             model_type=opt.model_type, character_coverage=opt.character_coverage,
                             input_sentence_size=0, user_defined_symbols=opt.user_symbols,
                             seed=opt.seed, num_threads=opt.threads)

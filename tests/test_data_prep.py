@@ -490,8 +490,9 @@ def test_news_commentary_noise_and_sgml(tmp_path, capsys):
 
 
 @needs_data
-def test_multi30k_gzip(tmp_path, capsys):
-    out = tmp_path / "m30k"
+def test_multi30k_gzip(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = Path("data") / "m30k"  # relative, as the README's commands give it
     rc, err = run_prepare(capsys, "en-de", out, "--raw-dir", MULTI30K, "--train-prefix", "val",
                           "--valid-prefix", "val", "--test-prefix", "test_2016_flickr", "--vocab-size", "1000",
                           "--workers", "1", "--quiet")
