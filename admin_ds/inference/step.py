@@ -4,10 +4,11 @@
 some sixteen module calls, closures, dropout calls that do nothing in eval mode, and views. When
 one or a few sentences are decoded, every product has one or a few rows and runs for tens of
 microseconds, so that bookkeeping took as long as the products themselves (bench/decode.py
---profile, and side by side: about half of a base-6L-6L greedy step at batch 1). ``DecoderStep`` runs the same computation
-from the same tensors as one flat loop: per layer, its seven products through their modules (a
-Linear, or decoding's PackedLinear / Int8Linear), attention of the new position over the cached
-keys as two batched products, and each residual with its LayerNorm in two operators.
+--profile, and side by side: about half of a base-6L-6L greedy step at batch 1). ``DecoderStep``
+runs the same computation from the same tensors as one flat loop: per layer, its six products
+(eight where Q, K and V are separate) through their modules (a Linear, or decoding's PackedLinear /
+Int8Linear), attention of the new position over the cached keys as two batched products, and each
+residual with its LayerNorm in two operators.
 
 Shapes: R decoder rows (sentences x beams), b sentences (encoder rows), S source length, D model
 dim, H heads, Dh = D / H, V vocabulary; n target positions decoded so far, this one included.
@@ -18,8 +19,8 @@ dim, H heads, Dh = D / H, V vocabulary; n target positions decoded so far, this 
 ``model.decode`` stays the reference: the first step (it computes each layer's encoder keys and
 values into ``state``), several new positions at once, a model in training mode, a residual with a
 profiling recorder attached, a residual other than ``scale * x + y``, a norm other than LayerNorm,
-and a model whose ``decode`` was replaced on the instance all go through it. tests/test_decode.py checks that the two compute the same
-logits and translations.
+and a model whose ``decode`` was replaced on the instance all go through it. tests/test_decode.py
+checks that the two compute the same logits and translations.
 
 This file imports torch and model.py only.
 """
@@ -103,7 +104,8 @@ def _layer_of(layer: DecoderLayer) -> _Layer:
 
 
 def _residual(x: torch.Tensor, y: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
-    """scale * x + y (Residual.combine) into y, a product's fresh output."""
+    """scale * x + y, as Residual.combine computes it; the plain sum is added into y, a product's
+    fresh output."""
     return y.add_(x) if scale is None else torch.addcmul(y, scale, x)
 
 
