@@ -7,6 +7,7 @@ Untrained models are degenerate here (every sentence runs to the max length repe
 """
 
 import copy
+import dataclasses
 import itertools
 import math
 import os
@@ -298,6 +299,27 @@ def test_copy_task_greedy_and_beam_reproduce_inputs(copy_models):
     assert sum(h == s for h, s in zip(greedy(copy_models.half, src, max_len_a=1.0, max_len_b=5), seqs)) < 50
 
 
+def test_decoding_turns_every_module_to_eval_and_puts_each_flag_back(copy_models):
+    """The copy model's weights in a model with dropout, its top module in eval mode and only some
+    layers training: decoding runs all of it in eval mode (no dropout: the no-dropout model's
+    outputs), and afterwards each module has the training flag it had before."""
+    cfg = copy_models.full.cfg
+    model = build_model(dataclasses.replace(cfg, dropout_p=0.5, attention_dropout_p=0.5, activation_dropout_p=0.5))
+    model.load_state_dict(copy_models.full.state_dict())
+    model.eval()
+    model.decoder_layers[0].train()
+    model.encoder_layers[-1].train()
+    flags = [m.training for m in model.modules()]
+    assert any(flags) and not model.training
+    src = sources(21, 16)[0]
+    kw = dict(max_len_a=1.0, max_len_b=5)
+    assert greedy(model, src, **kw) == greedy(copy_models.full, src, **kw)
+    assert [m.training for m in model.modules()] == flags
+    got, want = (beam_search(m, src, beam=3, nbest=3, **kw) for m in (model, copy_models.full))
+    assert [[h.tokens for h in hs] for hs in got] == [[h.tokens for h in hs] for hs in want]
+    assert [m.training for m in model.modules()] == flags
+
+
 # ---- 5. translate restores the input order -------------------------------------------------------
 
 
@@ -486,6 +508,34 @@ def test_packed_model_computes_what_the_plain_model_computes(kw):
         state = IncrementalState()
         steps = torch.cat([packed.decode(tgt[:1, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
         assert (steps - want1).abs().max() <= 1e-5 * want1.abs().max()
+
+
+@needs_onednn
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(activation, monkeypatch):
+    """A decoder-step product (few_rows=True) multiplies up to 8 rows by a weight of at most 1 MiB,
+    and one row by a larger weight, with F.linear; more rows go through oneDNN's packed weight.
+    Each path, and the weight that keeps no plain copy, computes activation(x W^T + b) as F.linear
+    on the original weight does."""
+    from admin_ds.inference.packed import PackedLinear
+
+    calls = []
+    onednn = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or onednn(*a))
+    act = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu}[activation]
+    torch.manual_seed(0)
+    small = (torch.randn(512, 512) / 16, torch.randn(512))  # exactly 1 MiB
+    large = (torch.randn(520, 512) / 16, torch.randn(520))  # just over
+    cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [1], [2, 8, 64]), (small, False, [], [1, 8, 64])]
+    for (w, b), few_rows, plain_rows, onednn_rows in cases:
+        layer = PackedLinear(w, b, activation, few_rows=few_rows)
+        for rows in plain_rows + onednn_rows:
+            x = torch.randn(rows, 512)
+            calls.clear()
+            got = layer(x.view(rows, 1, 512)).view(rows, -1)  # 3-D input, as the model passes it
+            assert calls == ([] if rows in plain_rows else [rows]), (w.shape, few_rows, rows)
+            want = act(F.linear(x, w, b))
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (w.shape, few_rows, rows)
 
 
 @needs_onednn

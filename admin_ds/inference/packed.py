@@ -48,6 +48,10 @@ log = logging.getLogger(__name__)
 # oneDNN's weight layout is chosen for a typical row count; any other count is still exact
 # (measured: the hint barely matters between 16 and 1024 rows).
 _ROWS_HINT = 64
+# PackedLinear(few_rows=True) multiplies up to _FEW_ROWS rows by a weight of at most _SMALL_WEIGHT
+# bytes with F.linear (MKL), and a single row by any weight; more rows go to oneDNN.
+_FEW_ROWS = 8
+_SMALL_WEIGHT = 1 << 20
 _FUSED = {F.relu: ("relu", ""), F.gelu: ("gelu", "none")}  # activation -> (oneDNN post-op, algorithm)
 
 
@@ -63,15 +67,21 @@ class PackedLinear(nn.Module):
     Inference only: the packed weight is a constant (no gradient, not in ``state_dict``).
     ``activation`` is "none", "relu" or "gelu" (exact), fused into the product.
 
-    ``one_row``: also keep the weight as it is, for products of a single row (a decoder step of
-    one sentence, greedy), which ``F.linear`` (a matrix-vector product) runs ~1.6x faster than
-    oneDNN's packed path: ~20 us of fixed cost per call there, and weights streamed at ~20 GB/s
-    against ~33 (the 37 products of a base decoder step, weights not in cache, 2 threads, on the
-    AVX-512 Xeon and limited to AVX2 alike). Costs a second copy of those weights.
+    ``few_rows``: also keep the weight as it is, for products of few rows (a decoder step of one
+    or a few hypotheses), which ``F.linear`` runs faster than oneDNN's packed path: that path has
+    ~15-20 us of fixed cost per call and streams a weight slower. ``F.linear`` is used for one row,
+    and for up to ``_FEW_ROWS`` rows when the weight is at most ``_SMALL_WEIGHT`` bytes (a 256- or
+    512-wide model's attention products, a 256-wide one's FFN). Costs a second copy of those weights.
+
+    Measured (bench/decode_rows.py, bench/decode_rows_results.md: packed time / F.linear time, above
+    1 where F.linear is faster; six copies of each weight so that none stays in cache, 2 threads),
+    on the AVX-512 Xeon and, in brackets, limited to AVX2: one row 1.14-3.50 (1.40-3.61) for every
+    shape; weights of at most 1 MiB at 8 rows 1.28-2.18 (1.08-1.64), at 16 rows 0.74-1.72; larger
+    weights at 2 rows 1.20-1.46 (0.84-1.12), at 4 rows 0.73-1.00 (0.92-1.13).
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str = "none",
-                 one_row: bool = False) -> None:
+                 few_rows: bool = False) -> None:
         super().__init__()
         if activation not in ("none", "relu", "gelu"):
             raise ValueError(f"PackedLinear: unsupported activation {activation!r}")
@@ -81,12 +91,14 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             w = weight.detach().float().contiguous()
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT)
-        self.weight = w if one_row else None
+        self.weight = w if few_rows else None
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        # Up to this many rows go through F.linear (0: none, no plain weight kept).
+        self.plain_rows = 0 if not few_rows else _FEW_ROWS if w.numel() * 4 <= _SMALL_WEIGHT else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self.weight is not None and x2.shape[0] == 1:
+        if 0 < x2.shape[0] <= self.plain_rows:
             y = F.linear(x2, self.weight, self.bias)
             if self.activation == "relu":
                 y = F.relu_(y)
@@ -235,29 +247,29 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
             log.warning("oneDNN packed linear products unavailable in this PyTorch build; decoding with F.linear")
             return model
         make = PackedLinear
-    # The products of a decoder step, which run on one row when one sentence is decoded greedily.
+    # The products of a decoder step, which run on one or a few rows when few hypotheses are decoded.
     step = {id(m) for layer in model.decoder_layers
             for m in (layer.self_attn.out_proj, layer.encoder_attn.q_proj, layer.encoder_attn.out_proj,
                       layer.ffn.fc1, layer.ffn.fc2)} | {id(model.output_proj)}
 
-    def convert(weight: torch.Tensor, bias, activation: str = "none", one_row: bool = False) -> nn.Module:
+    def convert(weight: torch.Tensor, bias, activation: str = "none", few_rows: bool = False) -> nn.Module:
         if make is PackedLinear:
-            return PackedLinear(weight, bias, activation, one_row=one_row)
+            return PackedLinear(weight, bias, activation, few_rows=few_rows)
         return make(weight, bias, activation)
 
     for layer in model.decoder_layers:  # a step's Q, K and V in one product: one wider GEMM, not three
         attn = layer.self_attn
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         attn.qkv_proj = convert(torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]),
-                                one_row=True)
+                                few_rows=True)
     for module in list(model.modules()):
         if isinstance(module, FeedForward) and module.activation in _FUSED and isinstance(module.fc1, nn.Linear):
             module.fc1 = convert(module.fc1.weight, module.fc1.bias, _FUSED[module.activation][0],
-                                 one_row=id(module.fc1) in step)
+                                 few_rows=id(module.fc1) in step)
             module.activation = _identity
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, convert(child.weight, child.bias, one_row=id(child) in step))
+                setattr(module, name, convert(child.weight, child.bias, few_rows=id(child) in step))
     if model.output_proj is None:  # tied: the embedding matrix also projects to the vocabulary
-        model.output_proj = convert(model.target_embedding.weight, None, one_row=True)
+        model.output_proj = convert(model.target_embedding.weight, None, few_rows=True)
     return model

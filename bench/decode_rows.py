@@ -1,0 +1,93 @@
+"""Which path a decoder step's products should take at few rows: oneDNN's packed weights
+(PackedLinear's path) against F.linear (MKL) on the plain weight, per weight shape and row count.
+
+    python bench/decode_rows.py --threads 2
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/decode_rows.py
+
+For each width D (--widths) the four product shapes of a layer, (out, in): Q/K/V in one (3D, D),
+the attention projections (D, D), the FFN's (4D, D) and (4D -> D). --copies copies of each weight
+are multiplied in turn, as a decoder's layers are, so that none stays in the CPU's nearest caches.
+The table is packed time / F.linear time, median of --repeats interleaved rounds: above 1 where
+F.linear is faster. PackedLinear(few_rows=True) takes F.linear for one row, and for up to 8 rows
+when the weight has at most 1 MiB (admin_ds/inference/packed.py); this is the measurement behind it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from decode import hardware  # noqa: E402  (bench/ is not a package)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--copies", type=int, default=6, help="copies of each weight, used in turn")
+    p.add_argument("--calls", type=int, default=10, help="passes over the copies per timing")
+    p.add_argument("--repeats", type=int, default=5)
+    return p.parse_args(argv)
+
+
+def ratios(weight_shape, rows, copies, calls, repeats) -> list[float]:
+    import torch
+    import torch.nn.functional as F
+
+    from admin_ds.inference.packed import PackedLinear
+
+    out_f, in_f = weight_shape
+    plain = [(torch.randn(out_f, in_f), torch.randn(out_f)) for _ in range(copies)]
+    packed = [PackedLinear(w, b) for w, b in plain]  # no plain weight kept: always the packed path
+    result = []
+    for n in rows:
+        x = torch.randn(n, in_f)
+        paths = {"F.linear": lambda: [F.linear(x, w, b) for w, b in plain],
+                 "packed": lambda: [p(x) for p in packed]}
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        with torch.inference_mode():
+            for f in paths.values():  # warm-up
+                f()
+            for _ in range(repeats):
+                for name, f in paths.items():
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        f()
+                    times[name].append(time.perf_counter() - t)
+        result.append(statistics.median(times["packed"]) / statistics.median(times["F.linear"]))
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from admin_ds.inference.packed import packed_linear_available
+
+    if not packed_linear_available():
+        print("this PyTorch build has no oneDNN packed linear products; nothing to compare", file=sys.stderr)
+        return 1
+    torch.set_num_threads(args.threads)
+    print(f"# packed / F.linear time per product ({datetime.date.today()}, {args.threads} threads)")
+    print(f"- command: python bench/decode_rows.py {' '.join(sys.argv[1:])}")
+    print(f"- hardware: {hardware()}")
+    print(f"- torch {torch.__version__}; {args.copies} copies of each weight; median of {args.repeats} rounds\n")
+    print("| weight (out, in) | MiB | " + " | ".join(f"{n} rows" for n in args.rows) + " |")
+    print("|---|---:|" + "---:|" * len(args.rows))
+    for d in args.widths:
+        for shape in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d)):
+            r = ratios(shape, args.rows, args.copies, args.calls, args.repeats)
+            mib = shape[0] * shape[1] * 4 / 2 ** 20
+            print(f"| ({shape[0]}, {shape[1]}) | {mib:.2f} | " + " | ".join(f"{v:.2f}" for v in r) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
