@@ -53,8 +53,8 @@ class Hypothesis:
 def _inference(model) -> Iterator[None]:
     """Every module in eval mode and inference_mode for the block; the modules that were training
     are put back after. Only those are switched: eval() and train() set the flag on every module
-    through nn.Module.__setattr__, ~1 ms a call on a 12-layer model (more than a short sentence's
-    decoder step), twice per batch."""
+    through nn.Module.__setattr__ (~0.4 ms each on a 6+6-layer model of 209 modules, against
+    ~0.1 ms to find the training ones), at every batch."""
     training = [m for m in model.modules() if m.training]
     for m in training:
         m.training = False
