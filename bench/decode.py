@@ -71,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--precisions", nargs="+", choices=("fp32", "int8"), default=["fp32", "int8"])
     p.add_argument("--transformers", action="store_true", help="also transformers' generate (fp32)")
     p.add_argument("--plain", action="store_true", help="also ours with F.linear (translate.py --plain-linear)")
+    p.add_argument("--onednn", action="store_true",
+                   help="also ours with every product packed for oneDNN (ADMIN_DS_PACKED_LINEAR=onednn; "
+                        "the default packs a step's products for MKL on Intel CPUs)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
@@ -125,14 +128,24 @@ def build(args, tmp: Path):
     return mf, lines
 
 
-def models(mf, precision: str, plain: bool):
-    """{name: model} decoding as translate.py does in ``precision`` (and the F.linear model)."""
+def models(mf, precision: str, plain: bool, onednn: bool):
+    """{name: model} decoding as translate.py does in ``precision`` (and the F.linear model, and
+    the model with every product packed for oneDNN)."""
     from admin_ds.inference.model_file import build_from_model_file
     from admin_ds.inference.packed import optimize_for_decoding
 
     out = {"admin_ds": optimize_for_decoding(build_from_model_file(mf)[0], precision)}
     if plain and precision == "fp32":
         out["admin_ds_plain"] = build_from_model_file(mf)[0].eval()
+    if onednn and precision == "fp32":
+        before = os.environ.get("ADMIN_DS_PACKED_LINEAR")
+        os.environ["ADMIN_DS_PACKED_LINEAR"] = "onednn"
+        try:
+            out["admin_ds_onednn"] = optimize_for_decoding(build_from_model_file(mf)[0], precision)
+        finally:
+            os.environ.pop("ADMIN_DS_PACKED_LINEAR")
+            if before is not None:
+                os.environ["ADMIN_DS_PACKED_LINEAR"] = before
     return out
 
 
@@ -193,7 +206,7 @@ def decoders(args, threads: int, precision: str, ours: dict, subword, src, hf_di
 # torch.profiler operator names -> what they are in a decoder step
 _CATEGORIES = [
     ("matrix products (Linear, output projection)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
-                                                     "quantized::linear_dynamic")),
+                                                     "mkl::_mkl_linear", "quantized::linear_dynamic")),
     ("attention products (queries against cached keys and values)", ("aten::bmm",)),
     ("attention kernel (fused; softmax)", ("aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_softmax",
                                           "aten::baddbmm")),
@@ -289,7 +302,7 @@ def main(argv=None) -> int:
         mf, lines = build(args, Path(tmp))
         _, subword = build_from_model_file(mf)
         for precision in args.precisions:
-            ours = models(mf, precision, args.plain)
+            ours = models(mf, precision, args.plain, args.onednn)
             cfg = ours["admin_ds"].cfg
             for threads in args.threads:
                 torch.set_num_threads(threads)
@@ -302,6 +315,9 @@ def main(argv=None) -> int:
                     if args.profile and profile is None and precision == "fp32":
                         profile = (n, threads, profile_search(runs[("admin_ds", args.beam)]))
     load_after = os.getloadavg()
+    from admin_ds.inference.packed import _step_backend
+
+    step_backend = {"mkl": "MKL's packed GEMM", "onednn": "oneDNN"}[_step_backend()]
 
     script = Path(sys.argv[0]).resolve()
     command = " ".join(["python", str(script.relative_to(REPO) if script.is_relative_to(REPO) else script),
@@ -323,7 +339,8 @@ def main(argv=None) -> int:
         f"- sources: the first N sentences of {args.src.name}, one padded batch each; {work}; best of "
         f"{args.repeats} interleaved rounds, encoding included",
         "",
-        "ours = admin_ds as translate.py decodes (fp32: weights packed for oneDNN; int8: --int8).",
+        "ours = admin_ds as translate.py decodes (fp32: weights packed, a decoder step's products for "
+        f"{step_backend}; int8: --int8).",
         "",
         "| precision | threads | batch | search | ours / CTranslate2 (speed) | sentences/s, target tokens/s "
         "| outputs identical to ours | median s (same order) |",

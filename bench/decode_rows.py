@@ -1,5 +1,6 @@
-"""Which path a decoder step's products should take at few rows: oneDNN's packed weights
-(PackedLinear's path) against F.linear (MKL) on the plain weight, per weight shape and row count.
+"""Which path a decoder step's products should take at few rows: oneDNN's packed weights, MKL's
+packed GEMM (PackedLinear's two backends) and F.linear (MKL) on the plain weight, per weight shape
+and row count.
 
     python bench/decode_rows.py --threads 2
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python bench/decode_rows.py
@@ -7,9 +8,10 @@
 For each width D (--widths) the four product shapes of a layer, (out, in): Q/K/V in one (3D, D),
 the attention projections (D, D), the FFN's (4D, D) and (4D -> D). --copies copies of each weight
 are multiplied in turn, as a decoder's layers are, so that none stays in the CPU's nearest caches.
-The table is packed time / F.linear time, median of --repeats interleaved rounds: above 1 where
-F.linear is faster. PackedLinear(few_rows=True) takes F.linear for one row, and for up to 8 rows
-when the weight has at most 1 MiB (admin_ds/inference/packed.py); this is the measurement behind it.
+The tables are each packed path's time / F.linear's time, median of --repeats interleaved rounds:
+above 1 where F.linear is faster. PackedLinear(few_rows=True) packs for MKL on Intel CPUs (F.linear
+for one row) and for oneDNN elsewhere (F.linear for one row, and for up to 8 rows when the weight
+has at most 1 MiB) (admin_ds/inference/packed.py); this is the measurement behind it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def ratios(weight_shape, rows, copies, calls, repeats) -> list[float]:
+def ratios(weight_shape, rows, copies, calls, repeats, mkl: bool) -> dict[str, list[float]]:
+    """{packed path: [its time / F.linear's time, per row count]}."""
     import torch
     import torch.nn.functional as F
 
@@ -45,12 +48,15 @@ def ratios(weight_shape, rows, copies, calls, repeats) -> list[float]:
 
     out_f, in_f = weight_shape
     plain = [(torch.randn(out_f, in_f), torch.randn(out_f)) for _ in range(copies)]
-    packed = [PackedLinear(w, b) for w, b in plain]  # no plain weight kept: always the packed path
-    result = []
+    # few_rows=False: always the packed path (MKL's also keeps the weight, for its shape).
+    packed = {"oneDNN": [PackedLinear(w, b, backend="onednn") for w, b in plain]}
+    if mkl:
+        packed["MKL"] = [PackedLinear(w, b, backend="mkl") for w, b in plain]
+    result: dict[str, list[float]] = {name: [] for name in packed}
     for n in rows:
         x = torch.randn(n, in_f)
-        paths = {"F.linear": lambda: [F.linear(x, w, b) for w, b in plain],
-                 "packed": lambda: [p(x) for p in packed]}
+        paths = {"F.linear": lambda: [F.linear(x, w, b) for w, b in plain]}
+        paths.update({name: (lambda ps=ps: [p(x) for p in ps]) for name, ps in packed.items()})
         times: dict[str, list[float]] = {k: [] for k in paths}
         with torch.inference_mode():
             for f in paths.values():  # warm-up
@@ -61,7 +67,8 @@ def ratios(weight_shape, rows, copies, calls, repeats) -> list[float]:
                     for _ in range(calls):
                         f()
                     times[name].append(time.perf_counter() - t)
-        result.append(statistics.median(times["packed"]) / statistics.median(times["F.linear"]))
+        for name in packed:
+            result[name].append(statistics.median(times[name]) / statistics.median(times["F.linear"]))
     return result
 
 
@@ -75,17 +82,22 @@ def main(argv=None) -> int:
         print("this PyTorch build has no oneDNN packed linear products; nothing to compare", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads)
+    from admin_ds.inference.packed import _mkl_packed_works
+
+    mkl = _mkl_packed_works()
     print(f"# packed / F.linear time per product ({datetime.date.today()}, {args.threads} threads)")
     print(f"- command: python bench/decode_rows.py {' '.join(sys.argv[1:])}")
     print(f"- hardware: {hardware()}")
-    print(f"- torch {torch.__version__}; {args.copies} copies of each weight; median of {args.repeats} rounds\n")
-    print("| weight (out, in) | MiB | " + " | ".join(f"{n} rows" for n in args.rows) + " |")
-    print("|---|---:|" + "---:|" * len(args.rows))
-    for d in args.widths:
-        for shape in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d)):
-            r = ratios(shape, args.rows, args.copies, args.calls, args.repeats)
-            mib = shape[0] * shape[1] * 4 / 2 ** 20
-            print(f"| ({shape[0]}, {shape[1]}) | {mib:.2f} | " + " | ".join(f"{v:.2f}" for v in r) + " |", flush=True)
+    print(f"- torch {torch.__version__}; {args.copies} copies of each weight; median of {args.repeats} rounds"
+          + ("" if mkl else "; no MKL packed GEMM in this build"))
+    shapes = [(s, d) for d in args.widths for s in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))]
+    results = [ratios(shape, args.rows, args.copies, args.calls, args.repeats, mkl) for shape, _ in shapes]
+    for name in results[0]:
+        print(f"\n{name} packed / F.linear:\n")
+        print("| weight (out, in) | MiB | " + " | ".join(f"{n} rows" for n in args.rows) + " |")
+        print("|---|---:|" + "---:|" * len(args.rows))
+        for ((o, i), _), r in zip(shapes, results):
+            print(f"| ({o}, {i}) | {o * i * 4 / 2 ** 20:.2f} | " + " | ".join(f"{v:.2f}" for v in r[name]) + " |")
     return 0
 
 

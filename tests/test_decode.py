@@ -475,19 +475,39 @@ needs_onednn = pytest.mark.skipif(
     reason="this PyTorch build has no oneDNN linear ops (the rewrite is then a no-op)")
 
 
+def mkl_packed_present() -> bool:
+    """This PyTorch build has MKL's packed GEMM ops (whether our use of them works is tested)."""
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+            and hasattr(torch.ops.mkl, "_mkl_linear"))
+
+
+@pytest.fixture(params=["onednn", "mkl"])
+def step_backend(request, monkeypatch):
+    """Each backend of a decoder step's packed products, whatever the CPU's default."""
+    if request.param == "mkl" and not mkl_packed_present():
+        pytest.skip("this PyTorch build has no MKL packed GEMM")
+    monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", request.param)
+    return request.param
+
+
 @needs_onednn
 @pytest.mark.parametrize("kw", [dict(init="admin"), dict(activation="gelu", init="default"),
                                 dict(share_all_embeddings=False, share_decoder_input_output_embed=False,
                                      norm_order="pre", init="default")])
-def test_packed_model_computes_what_the_plain_model_computes(kw):
+def test_packed_model_computes_what_the_plain_model_computes(kw, step_backend):
     """Every Linear packed (FFN activation fused, Q/K/V of a decoder step in one product, the tied
-    output projection too): full-forward logits and step-by-step logits equal the plain model's
-    to float32 rounding, and the rewritten model's own step-by-step path equals its full forward."""
+    output projection too; a step's products for oneDNN or MKL, the encoder's for oneDNN):
+    full-forward logits and step-by-step logits equal the plain model's to float32 rounding, and
+    the rewritten model's own step-by-step path equals its full forward."""
+    from admin_ds.inference.packed import PackedLinear
+
     plain, src, tgt = tiny_model_and_batch(kw)
     packed = packed_copy(plain)
     layers = plain.cfg.num_encoder_layers + plain.cfg.num_decoder_layers
     expected = 6 * plain.cfg.num_encoder_layers + 11 * plain.cfg.num_decoder_layers + 1  # + output projection
     assert count_packed(packed) == expected and count_packed(plain) == 0 and layers > 0
+    backends = [m.backend for m in packed.modules() if isinstance(m, PackedLinear)]
+    assert backends.count(step_backend) >= 6 * plain.cfg.num_decoder_layers + 1
     with torch.no_grad():
         want = plain(src, tgt)
         scale = want.abs().max()
@@ -499,8 +519,6 @@ def test_packed_model_computes_what_the_plain_model_computes(kw):
         steps = torch.cat([packed.decode(tgt[:, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
         assert (steps - want).abs().max() <= 1e-5 * scale
         # One sentence: every product of a step has one row and takes the plain weight (F.linear).
-        from admin_ds.inference.packed import PackedLinear
-
         one_row = [m for m in packed.modules() if isinstance(m, PackedLinear) and m.weight is not None]
         assert len(one_row) == 6 * plain.cfg.num_decoder_layers + 1
         want1 = plain(src[:1], tgt[:1])
@@ -513,10 +531,10 @@ def test_packed_model_computes_what_the_plain_model_computes(kw):
 @needs_onednn
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
 def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(activation, monkeypatch):
-    """A decoder-step product (few_rows=True) multiplies up to 8 rows by a weight of at most 1 MiB,
-    and one row by a larger weight, with F.linear; more rows go through oneDNN's packed weight.
-    Each path, and the weight that keeps no plain copy, computes activation(x W^T + b) as F.linear
-    on the original weight does."""
+    """A decoder-step product (few_rows=True) packed for oneDNN multiplies up to 8 rows by a weight
+    of at most 1 MiB, and one row by a larger weight, with F.linear; more rows go through oneDNN's
+    packed weight. Each path, and the weight that keeps no plain copy, computes
+    activation(x W^T + b) as F.linear on the original weight does."""
     from admin_ds.inference.packed import PackedLinear
 
     calls = []
@@ -528,7 +546,7 @@ def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(a
     large = (torch.randn(520, 512) / 16, torch.randn(520))  # just over
     cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [1], [2, 8, 64]), (small, False, [], [1, 8, 64])]
     for (w, b), few_rows, plain_rows, onednn_rows in cases:
-        layer = PackedLinear(w, b, activation, few_rows=few_rows)
+        layer = PackedLinear(w, b, activation, few_rows=few_rows, backend="onednn")
         for rows in plain_rows + onednn_rows:
             x = torch.randn(rows, 512)
             calls.clear()
@@ -538,8 +556,53 @@ def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(a
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (w.shape, few_rows, rows)
 
 
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
+def test_packed_linear_on_mkl_takes_the_plain_weight_for_one_row_and_the_packed_gemm_for_more(activation,
+                                                                                           monkeypatch):
+    """Packed for MKL (a decoder step's products on Intel CPUs), one row goes through F.linear and
+    any other count, below, at and above the row count the weight was packed for, through MKL's
+    packed GEMM; each computes activation(x W^T + b) as float64 arithmetic does."""
+    from admin_ds.inference.packed import _MKL_ROWS_HINT, PackedLinear
+
+    if not mkl_packed_present():
+        pytest.skip("this PyTorch build has no MKL packed GEMM")
+    calls = []
+    mkl = torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[0].shape[0]) or mkl(*a))
+    act = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu}[activation]
+    torch.manual_seed(0)
+    for out_f, in_f in ((512, 512), (300, 70)):
+        w, b = torch.randn(out_f, in_f) / 16, torch.randn(out_f)
+        layer = PackedLinear(w, b, activation, few_rows=True, backend="mkl")
+        assert layer.backend == "mkl" and layer.weight is not None
+        for rows in (1, 2, 7, _MKL_ROWS_HINT - 1, _MKL_ROWS_HINT, _MKL_ROWS_HINT + 3, 700):
+            x = torch.randn(rows, in_f)
+            calls.clear()
+            got = layer(x.view(rows, 1, in_f)).view(rows, -1)
+            assert calls == ([] if rows == 1 else [rows]), (w.shape, rows)
+            want = act(F.linear(x.double(), w.double(), b.double()))
+            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (w.shape, rows)
+
+
+def test_packed_backend_choice(monkeypatch):
+    """ADMIN_DS_PACKED_LINEAR picks a step's backend (mkl only where MKL's packed GEMM works; by
+    default on Intel CPUs only); a value it does not know is refused, naming the variable."""
+    from admin_ds.inference import packed
+
+    assert packed._mkl_packed_works() == mkl_packed_present()  # its self-check passes where it can run
+    mkl = "mkl" if mkl_packed_present() else "onednn"
+    for vendor, choice, want in (("GenuineIntel", "", mkl), ("AuthenticAMD", "", "onednn"),
+                                 ("AuthenticAMD", "mkl", mkl), ("GenuineIntel", "onednn", "onednn")):
+        monkeypatch.setattr(packed, "_cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", choice)
+        assert packed._step_backend() == want, (vendor, choice)
+    monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", "fast")
+    with pytest.raises(ValueError, match="ADMIN_DS_PACKED_LINEAR='fast'"):
+        packed.optimize_for_decoding(tiny_model_and_batch(dict(init="default"))[0])
+
+
 @needs_onednn
-def test_packed_model_translates_like_the_plain_model(copy_models):
+def test_packed_model_translates_like_the_plain_model(copy_models, step_backend):
     """Greedy, beam (n-best with scores) and translate on the half-trained copy model (hypotheses
     of varied lengths and uncertain tokens): the same outputs with and without packed weights."""
     plain = copy_models.half

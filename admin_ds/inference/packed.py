@@ -13,8 +13,14 @@ float32 rounding (~1e-6 relative; tests/test_decode.py checks them and the trans
 rewrite is in place and makes the model inference-only (its Linear weights are no longer
 parameters): use it for translation, not on a model that is still training.
 
+A decoder step's products (a few rows each) are packed for MKL's packed GEMM instead on Intel
+CPUs with PyTorch's MKL: faster than oneDNN's packed path at 2-64 rows (bench/decode_rows.py), about
+level at several hundred. The encoder's (many rows) stay with oneDNN.
+
 Only float32 on a CPU with PyTorch's oneDNN backend is rewritten; anything else (a GPU, bf16, a
-build without oneDNN) returns the model unchanged. ``ADMIN_DS_PACKED_LINEAR=0`` turns it off.
+build without oneDNN) returns the model unchanged. ``ADMIN_DS_PACKED_LINEAR``: ``0`` turns the
+rewrite off; ``onednn`` packs every product for oneDNN; ``mkl`` packs a step's products for MKL on
+any CPU (the default does so on Intel only: MKL's speed on other CPUs is not measured here).
 
 ``precision="int8"`` (translate.py --int8) makes every linear layer an ``Int8Linear`` instead:
 dynamic int8 quantization, as CTranslate2's int8 does it. Weights are int8 with one scale per
@@ -33,6 +39,7 @@ import contextlib
 import functools
 import logging
 import os
+import platform
 import warnings
 from typing import Iterator, Optional
 
@@ -48,8 +55,13 @@ log = logging.getLogger(__name__)
 # oneDNN's weight layout is chosen for a typical row count; any other count is still exact
 # (measured: the hint barely matters between 16 and 1024 rows).
 _ROWS_HINT = 64
-# PackedLinear(few_rows=True) multiplies up to _FEW_ROWS rows by a weight of at most _SMALL_WEIGHT
-# bytes with F.linear (MKL), and a single row by any weight; more rows go to oneDNN.
+# MKL packs for a row count too, and its speed depends on it: 128 was the best measured compromise
+# between a step's 16-64 rows and the several hundred of a first step over a whole file's batch (the
+# product is exact for any row count: _mkl_packed_works checks 2 to 130 rows).
+_MKL_ROWS_HINT = 128
+# PackedLinear(few_rows=True) on oneDNN multiplies up to _FEW_ROWS rows by a weight of at most
+# _SMALL_WEIGHT bytes with F.linear (MKL), and a single row by any weight; more rows go to oneDNN.
+# On MKL's packed GEMM only a single row takes F.linear.
 _FEW_ROWS = 8
 _SMALL_WEIGHT = 1 << 20
 _FUSED = {F.relu: ("relu", ""), F.gelu: ("gelu", "none")}  # activation -> (oneDNN post-op, algorithm)
@@ -61,45 +73,109 @@ def packed_linear_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+_CHOICES = ("", "0", "1", "onednn", "mkl")
+
+
+def _packed_choice() -> str:
+    """ADMIN_DS_PACKED_LINEAR, checked: "" / "1" (the default), "0", "onednn" or "mkl"."""
+    choice = os.environ.get("ADMIN_DS_PACKED_LINEAR", "").strip().lower()
+    if choice not in _CHOICES:
+        raise ValueError(f"ADMIN_DS_PACKED_LINEAR={choice!r}: use 0 (off), 1 (the default), onednn or mkl")
+    return choice
+
+
+def _step_backend() -> str:
+    """Where PackedLinear(few_rows=True) packs its weight: "mkl" (MKL's packed GEMM) or "onednn".
+
+    MKL where ADMIN_DS_PACKED_LINEAR=mkl, or by default on an Intel CPU, when this PyTorch build
+    has MKL's packed ops and they compute a product right at several row counts; else oneDNN."""
+    choice = _packed_choice()
+    if choice == "onednn" or (choice != "mkl" and "intel" not in _cpu_vendor().lower()):
+        return "onednn"
+    if _mkl_packed_works():
+        return "mkl"
+    if choice == "mkl":
+        log.warning("ADMIN_DS_PACKED_LINEAR=mkl: this PyTorch build has no working MKL packed GEMM; using oneDNN")
+    return "onednn"
+
+
+@functools.lru_cache(maxsize=None)
+def _mkl_packed_works() -> bool:
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+            and hasattr(torch.ops.mkl, "_mkl_linear")):
+        return False
+    make = functools.partial(PackedLinear, few_rows=True, backend="mkl")
+    return all(_computes_linear(make, atol=1e-5, rows=n) for n in (2, 5, 64, 130))
+
+
 class PackedLinear(nn.Module):
-    """``activation(x @ weight.T + bias)`` with ``weight`` stored in oneDNN's blocked layout.
+    """``activation(x @ weight.T + bias)`` with ``weight`` stored in a blocked layout that a
+    matrix-product library reads fast: oneDNN's, or, for a decoder step's products on Intel CPUs,
+    MKL's packed GEMM (``backend``; default: ``_step_backend()`` for few_rows, oneDNN otherwise).
 
     Inference only: the packed weight is a constant (no gradient, not in ``state_dict``).
-    ``activation`` is "none", "relu" or "gelu" (exact), fused into the product.
+    ``activation`` is "none", "relu" or "gelu" (exact): fused into oneDNN's product, applied in
+    place after MKL's.
 
     ``few_rows``: also keep the weight as it is, for products of few rows (a decoder step of one
     or a few hypotheses), which ``F.linear`` runs faster than oneDNN's packed path: that path has
-    ~15-20 us of fixed cost per call and streams a weight slower. ``F.linear`` is used for one row,
-    and for up to ``_FEW_ROWS`` rows when the weight is at most ``_SMALL_WEIGHT`` bytes (a 256- or
-    512-wide model's attention products, a 256-wide one's FFN). Costs a second copy of those weights.
+    ~15-20 us of fixed cost per call and streams a weight slower. On oneDNN, ``F.linear`` is used
+    for one row, and for up to ``_FEW_ROWS`` rows when the weight is at most ``_SMALL_WEIGHT``
+    bytes (a 256- or 512-wide model's attention products, a 256-wide one's FFN); on MKL for one
+    row only. Costs a second copy of those weights (MKL's product also takes it, for its shape).
 
     Measured (bench/decode_rows.py, bench/decode_rows_results.md: packed time / F.linear time, above
     1 where F.linear is faster; six copies of each weight so that none stays in cache, 2 threads),
-    on the AVX-512 Xeon and, in brackets, limited to AVX2: one row 1.14-3.50 (1.40-3.61) for every
-    shape; weights of at most 1 MiB at 8 rows 1.28-2.18 (1.08-1.64), at 16 rows 0.74-1.72; larger
-    weights at 2 rows 1.20-1.46 (0.84-1.12), at 4 rows 0.73-1.00 (0.92-1.13).
+    on the AVX-512 Xeon and, in brackets, limited to AVX2. oneDNN: one row 1.14-3.50 (1.40-3.61)
+    for every shape; weights of at most 1 MiB at 8 rows 1.28-2.18 (1.08-1.64), at 16 rows
+    0.74-1.72; larger weights at 2 rows 1.20-1.46 (0.84-1.12), at 4 rows 0.73-1.00 (0.92-1.13).
+    MKL's packed GEMM: at 2-64 rows 0.94-2.69x the speed of oneDNN's (1.02-2.41x under AVX2),
+    against F.linear 0.55-1.32 (0.66-1.01); one row 0.94-1.52 (1.06-1.57): F.linear keeps it.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str = "none",
-                 few_rows: bool = False) -> None:
+                 few_rows: bool = False, backend: Optional[str] = None) -> None:
         super().__init__()
         if activation not in ("none", "relu", "gelu"):
             raise ValueError(f"PackedLinear: unsupported activation {activation!r}")
+        backend = backend or (_step_backend() if few_rows else "onednn")
+        if backend not in ("onednn", "mkl"):
+            raise ValueError(f"PackedLinear: unknown backend {backend!r}")
         self.out_features, self.in_features = weight.shape
-        self.activation = activation
+        self.activation, self.backend = activation, backend
         self._algorithm = "none" if activation == "gelu" else ""
         with torch.no_grad():
             w = weight.detach().float().contiguous()
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT)
-        self.weight = w if few_rows else None
+            if backend == "mkl":
+                self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_ROWS_HINT)
+            else:
+                self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT)
+        self.weight = w if few_rows or backend == "mkl" else None
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        # Up to this many rows go through F.linear (0: none, no plain weight kept).
-        self.plain_rows = 0 if not few_rows else _FEW_ROWS if w.numel() * 4 <= _SMALL_WEIGHT else 1
+        # Up to this many rows go through F.linear (0: none).
+        small = w.numel() * 4 <= _SMALL_WEIGHT
+        self.plain_rows = 0 if not few_rows else 1 if backend == "mkl" or not small else _FEW_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if 0 < x2.shape[0] <= self.plain_rows:
-            y = F.linear(x2, self.weight, self.bias)
+        rows = x2.shape[0]
+        if 0 < rows <= self.plain_rows or self.backend == "mkl":
+            if rows <= self.plain_rows:
+                y = F.linear(x2, self.weight, self.bias)
+            else:  # the packed product runs when its last argument equals the row count
+                y = torch.ops.mkl._mkl_linear(x2, self.packed_weight, self.weight, self.bias, rows)
             if self.activation == "relu":
                 y = F.relu_(y)
             elif self.activation == "gelu":
@@ -110,7 +186,8 @@ class PackedLinear(nn.Module):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}, "
+                f"backend={self.backend}")
 
 
 # PyTorch's quantized engines for Int8Linear, each with or without 7-bit activations (PyTorch's
@@ -204,13 +281,13 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _computes_linear(make, atol: float) -> bool:
-    """One product through ``make`` (a PackedLinear or Int8Linear factory) against F.linear: a
-    build where the private oneDNN or quantized ops misbehave falls back (fp32) or refuses (int8)
-    instead of translating wrongly."""
+def _computes_linear(make, atol: float, rows: int = 5) -> bool:
+    """One product of ``rows`` rows through ``make`` (a PackedLinear or Int8Linear factory) against
+    F.linear: a build where the private oneDNN, MKL or quantized ops misbehave falls back (fp32)
+    or refuses (int8) instead of translating wrongly."""
     try:
         g = torch.Generator().manual_seed(0)
-        w, b, x = (torch.randn(*shape, generator=g) for shape in ((96, 80), (96,), (5, 80)))
+        w, b, x = (torch.randn(*shape, generator=g) for shape in ((96, 80), (96,), (rows, 80)))
         got = make(w, b, "relu")(x)
         return torch.allclose(got, F.relu(F.linear(x, w, b)), rtol=1e-4, atol=atol)
     except (RuntimeError, AttributeError, NotImplementedError):
@@ -223,10 +300,11 @@ PRECISIONS = ("fp32", "int8")
 def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> EncoderDecoder:
     """Rewrite ``model`` in place for decoding and return it (in eval mode).
 
-    CPU and float32: every Linear becomes a PackedLinear (``precision="fp32"``) or an Int8Linear
-    (``"int8"``), FFN activations fused into the first product, each decoder self-attention gets
-    one product for a step's Q, K and V, and a tied output projection gets its own copy of the
-    embedding matrix. fp32 elsewhere (a GPU, bf16): unchanged; int8 elsewhere: refused.
+    CPU and float32: every Linear becomes a PackedLinear (``precision="fp32"``; a decoder step's
+    products packed for ``_step_backend()``, the others for oneDNN) or an Int8Linear (``"int8"``),
+    FFN activations fused into the first product, each decoder self-attention gets one product for
+    a step's Q, K and V, and a tied output projection gets its own copy of the embedding matrix.
+    fp32 elsewhere (a GPU, bf16): unchanged; int8 elsewhere: refused.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown decoding precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -241,7 +319,7 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
             raise NotImplementedError("int8 decoding: this PyTorch build has no working quantized CPU backend")
         make = Int8Linear
     else:
-        if not cpu_fp32 or os.environ.get("ADMIN_DS_PACKED_LINEAR", "1") == "0":
+        if not cpu_fp32 or _packed_choice() == "0":
             return model
         if not packed_linear_available() or not _computes_linear(PackedLinear, atol=1e-5):
             log.warning("oneDNN packed linear products unavailable in this PyTorch build; decoding with F.linear")
@@ -252,9 +330,12 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
             for m in (layer.self_attn.out_proj, layer.encoder_attn.q_proj, layer.encoder_attn.out_proj,
                       layer.ffn.fc1, layer.ffn.fc2)} | {id(model.output_proj)}
 
+    step_backend = _step_backend() if make is PackedLinear else None
+
     def convert(weight: torch.Tensor, bias, activation: str = "none", few_rows: bool = False) -> nn.Module:
         if make is PackedLinear:
-            return PackedLinear(weight, bias, activation, few_rows=few_rows)
+            return PackedLinear(weight, bias, activation, few_rows=few_rows,
+                                backend=step_backend if few_rows else "onednn")
         return make(weight, bias, activation)
 
     for layer in model.decoder_layers:  # a step's Q, K and V in one product: one wider GEMM, not three
