@@ -475,17 +475,13 @@ needs_onednn = pytest.mark.skipif(
     reason="this PyTorch build has no oneDNN linear ops (the rewrite is then a no-op)")
 
 
-def mkl_packed_present() -> bool:
-    """This PyTorch build has MKL's packed GEMM ops (whether our use of them works is tested)."""
-    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-            and hasattr(torch.ops.mkl, "_mkl_linear"))
-
-
 @pytest.fixture(params=["onednn", "mkl"])
 def step_backend(request, monkeypatch):
     """Each backend of a decoder step's packed products, whatever the CPU's default."""
-    if request.param == "mkl" and not mkl_packed_present():
-        pytest.skip("this PyTorch build has no MKL packed GEMM")
+    from admin_ds.inference.packed import mkl_packed_available
+
+    if request.param == "mkl" and not mkl_packed_available():
+        pytest.skip("this PyTorch build has no MKL packed GEMM ops (an ARM build, for one)")
     monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", request.param)
     return request.param
 
@@ -562,10 +558,10 @@ def test_packed_linear_on_mkl_takes_the_plain_weight_for_one_row_and_the_packed_
     """Packed for MKL (a decoder step's products on Intel CPUs), one row goes through F.linear and
     any other count, below, at and above the row count the weight was packed for, through MKL's
     packed GEMM; each computes activation(x W^T + b) as float64 arithmetic does."""
-    from admin_ds.inference.packed import _MKL_ROWS_HINT, PackedLinear
+    from admin_ds.inference.packed import _MKL_ROWS_HINT, PackedLinear, mkl_packed_available
 
-    if not mkl_packed_present():
-        pytest.skip("this PyTorch build has no MKL packed GEMM")
+    if not mkl_packed_available():
+        pytest.skip("this PyTorch build has no MKL packed GEMM ops (an ARM build, for one)")
     calls = []
     mkl = torch.ops.mkl._mkl_linear
     monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[0].shape[0]) or mkl(*a))
@@ -589,8 +585,8 @@ def test_packed_backend_choice(monkeypatch):
     default on Intel CPUs only); a value it does not know is refused, naming the variable."""
     from admin_ds.inference import packed
 
-    assert packed._mkl_packed_works() == mkl_packed_present()  # its self-check passes where it can run
-    mkl = "mkl" if mkl_packed_present() else "onednn"
+    assert packed._mkl_packed_works() == packed.mkl_packed_available()  # the self-check passes where the ops exist
+    mkl = "mkl" if packed.mkl_packed_available() else "onednn"
     for vendor, choice, want in (("GenuineIntel", "", mkl), ("AuthenticAMD", "", "onednn"),
                                  ("AuthenticAMD", "mkl", mkl), ("GenuineIntel", "onednn", "onednn")):
         monkeypatch.setattr(packed, "_cpu_vendor", lambda v=vendor: v)

@@ -111,10 +111,16 @@ def _step_backend() -> str:
     return "onednn"
 
 
+def mkl_packed_available() -> bool:
+    """True when this PyTorch build has MKL's packed GEMM ops (x86 builds; not ARM's)."""
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+            and hasattr(torch.ops.mkl, "_mkl_linear"))
+
+
 @functools.lru_cache(maxsize=None)
 def _mkl_packed_works() -> bool:
-    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-            and hasattr(torch.ops.mkl, "_mkl_linear")):
+    """MKL's packed GEMM is available and PackedLinear computes F.linear's result with it."""
+    if not mkl_packed_available():
         return False
     make = functools.partial(PackedLinear, few_rows=True, backend="mkl")
     return all(_computes_linear(make, atol=1e-5, rows=n) for n in (2, 5, 64, 130))
@@ -171,19 +177,19 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if 0 < rows <= self.plain_rows or self.backend == "mkl":
-            if rows <= self.plain_rows:
-                y = F.linear(x2, self.weight, self.bias)
-            else:  # the packed product runs when its last argument equals the row count
-                y = torch.ops.mkl._mkl_linear(x2, self.packed_weight, self.weight, self.bias, rows)
-            if self.activation == "relu":
-                y = F.relu_(y)
-            elif self.activation == "gelu":
-                y = F.gelu(y)
-        else:
+        if 0 < rows <= self.plain_rows:
+            y = self._activate(F.linear(x2, self.weight, self.bias))
+        elif self.backend == "mkl":  # the packed product runs when its last argument is the row count
+            y = self._activate(torch.ops.mkl._mkl_linear(x2, self.packed_weight, self.weight, self.bias, rows))
+        else:  # the activation fused
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, self.activation, [],
                                                    self._algorithm)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _activate(self, y: torch.Tensor) -> torch.Tensor:
+        if self.activation == "relu":
+            return F.relu_(y)
+        return F.gelu(y) if self.activation == "gelu" else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}, "
