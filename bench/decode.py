@@ -203,6 +203,21 @@ def decoders(args, threads: int, precision: str, ours: dict, subword, src, hf_di
     return {(name, beam): (lambda fn=fn, beam=beam: fn(beam)) for name, fn in engines for beam in (1, K)}
 
 
+def interleaved(paths: dict, calls: int, repeats: int) -> dict[str, list[float]]:
+    """{name: seconds per call, one entry per round} of each zero-argument callable in ``paths``:
+    one warm-up call each, then ``repeats`` rounds in which every path runs ``calls`` times in turn."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for f in paths.values():
+        f()
+    for _ in range(repeats):
+        for name, f in paths.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                f()
+            times[name].append((time.perf_counter() - t) / calls)
+    return times
+
+
 # torch.profiler operator names -> what they are in a decoder step
 _CATEGORIES = [
     ("matrix products (Linear, output projection)", ("aten::addmm", "aten::mm", "mkldnn::_linear_pointwise",
@@ -292,8 +307,10 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    from admin_ds.inference.allocator import tune_malloc_for_decoding
     from admin_ds.inference.model_file import build_from_model_file
 
+    malloc_tuned = tune_malloc_for_decoding()  # as translate.py: for every decoder in this process
     transformers.logging.set_verbosity_error()  # generate's notes on max_length vs max_new_tokens
     load_before = os.getloadavg()
     rows, profile = [], None
@@ -340,7 +357,9 @@ def main(argv=None) -> int:
         f"{args.repeats} interleaved rounds, encoding included",
         "",
         "ours = admin_ds as translate.py decodes (fp32: weights packed, a decoder step's products for "
-        f"{step_backend}; int8: --int8).",
+        f"{step_backend}; int8: --int8). glibc malloc's thresholds "
+        + ("set for decoding as translate.py sets them (admin_ds/inference/allocator.py), for every decoder in "
+           "the process." if malloc_tuned else "left as they are."),
         "",
         "| precision | threads | batch | search | ours / CTranslate2 (speed) | sentences/s, target tokens/s "
         "| outputs identical to ours | median s (same order) |",

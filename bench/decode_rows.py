@@ -20,12 +20,11 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
-from decode import hardware  # noqa: E402  (bench/ is not a package)
+from decode import hardware, interleaved  # noqa: E402  (bench/ is not a package)
 
 
 def parse_args(argv=None):
@@ -57,16 +56,8 @@ def ratios(weight_shape, rows, copies, calls, repeats, mkl: bool) -> dict[str, l
         x = torch.randn(n, in_f)
         paths = {"F.linear": lambda: [F.linear(x, w, b) for w, b in plain]}
         paths.update({name: (lambda ps=ps: [p(x) for p in ps]) for name, ps in packed.items()})
-        times: dict[str, list[float]] = {k: [] for k in paths}
         with torch.inference_mode():
-            for f in paths.values():  # warm-up
-                f()
-            for _ in range(repeats):
-                for name, f in paths.items():
-                    t = time.perf_counter()
-                    for _ in range(calls):
-                        f()
-                    times[name].append(time.perf_counter() - t)
+            times = interleaved(paths, calls, repeats)
         for name in packed:
             result[name].append(statistics.median(times[name]) / statistics.median(times["F.linear"]))
     return result

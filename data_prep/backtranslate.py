@@ -238,11 +238,13 @@ _MODEL_CACHE: dict = {}
 def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
     """The reverse model and its subword model, loaded once per process (admin_ds/inference/
     model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
-    torchrun or deepspeed), else on the CPU with oneDNN packed weights (or int8 ones)."""
+    torchrun or deepspeed), else on the CPU with oneDNN packed weights (or int8 ones), malloc's
+    thresholds set for decoding (admin_ds/inference/allocator.py)."""
     if "model" not in _MODEL_CACHE:
         import torch
 
         from admin_ds.errors import UserError
+        from admin_ds.inference.allocator import tune_malloc_for_decoding
         from admin_ds.inference.model_file import load_for_decoding
 
         if torch.cuda.is_available() and not int8:
@@ -250,6 +252,8 @@ def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
         else:
             device = torch.device("cpu")
         try:
+            if device.type == "cpu":
+                tune_malloc_for_decoding()
             _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified,
                                                       precision="int8" if int8 else "fp32")
         except (UserError, NotImplementedError, ValueError, OSError) as e:

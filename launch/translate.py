@@ -10,11 +10,13 @@
 --checkpoint is a run directory (its newest complete checkpoint), one checkpoint tag directory
 (``checkpoints/update_NNNNNN``) or a model file (launch/average_checkpoints.py). --fold decodes with
 omega folded away (admin_ds/model/fold.py): the same translations from a vanilla Post-LN model.
-On a CPU in fp32 the model's weights are first packed for oneDNN (admin_ds/inference/packed.py;
-2-4x faster matrix products at decoding's small row counts); --plain-linear decodes without that.
+On a CPU in fp32 the model's weights are first packed (admin_ds/inference/packed.py: oneDNN, and on
+Intel CPUs MKL's packed GEMM for a decoder step's products; faster matrix products at decoding's
+small row counts); --plain-linear decodes without that.
 --int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
 per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
-(BENCHMARKS.md: speed and the BLEU change).
+(BENCHMARKS.md: speed and the BLEU change). On a CPU, glibc malloc keeps freed memory for the next
+batch (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
 
     from admin_ds import distributed
     from admin_ds.errors import UserError
+    from admin_ds.inference.allocator import tune_malloc_for_decoding
     from admin_ds.inference.model_file import load_for_decoding
 
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.int8 else "cpu")
@@ -129,6 +132,8 @@ def main(argv=None) -> int:
         try:
             if device == "cuda":
                 device = f"cuda:{torch.cuda.current_device()}"
+            if device == "cpu":
+                tune_malloc_for_decoding()
             lines = read_input(str(args.input), rank)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
                                                   packed=not args.plain_linear, trust_unverified=args.trust_unverified,
@@ -146,7 +151,7 @@ def main(argv=None) -> int:
         if rank == 0:
             results.buffer.write("".join(f"{line}\n" for part in parts for line in part).encode("utf-8"))
             results.flush()
-            print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.1f}s on {world} rank(s), "
+            print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.2f}s on {world} rank(s), "
                   f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {'int8' if args.int8 else args.dtype}"
                   f"{', folded' if args.fold else ''}; model {args.checkpoint}",
                   file=sys.stderr)

@@ -281,6 +281,49 @@ def test_batched_beam_matches_reference_implementation(copy_models, beam, lenpen
     assert 2 <= early < len(seqs)  # both ways of finishing were exercised
 
 
+def test_beam_over_a_large_vocabulary_matches_reference_implementation():
+    """4 beams x 1,000 subwords: the candidates' top-k runs over blocks (decode._topk)."""
+    model = random_model(seed=5, vocab=1000)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(4, 1000, (n,), generator=g).tolist() + [EOS] for n in (6, 3, 8)]
+    src = torch.full((3, 9), PAD)
+    for i, s in enumerate(seqs):
+        src[i, :len(s)] = torch.tensor(s)
+    got = beam_search(model, src, beam=4, lenpen=0.6, max_len_a=0.5, max_len_b=2, nbest=4)
+    for hyps, s in zip(got, seqs):
+        want = reference_beam(model, s, 4, 0.6, int(0.5 * len(s) + 2))
+        assert [h.tokens for h in hyps] == [t for _, t in want]
+
+
+def test_block_topk_equals_torch_topk():
+    """decode._topk against torch.topk: the same values in the same order, indices that point at
+    them (one each); the same indices where no two values are equal."""
+    from admin_ds.inference.decode import _topk
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.randn(3, 4000, generator=g), 8), (torch.randn(5, 4100, generator=g), 8),
+             (torch.randn(2, 1000, generator=g), 2), (torch.randn(2, 100, generator=g), 8),
+             (torch.randn(1, 40000, generator=g), 10)]
+    for x, k in cases:
+        values, idx = _topk(x, k)
+        want = x.topk(k, dim=1)
+        assert torch.equal(values, want.values) and torch.equal(idx, want.indices)
+    # the maximum in the tail that fills no block, in the first and the last block
+    x = torch.randn(4, 4100, generator=g)
+    x[0, 4099], x[1, 4050], x[2, 0], x[3, 4095] = 10.0, 10.0, 10.0, 10.0
+    assert _topk(x, 8)[1][:, 0].tolist() == [4099, 4050, 0, 4095]
+    # ties, -inf and a row without a finite value
+    x = torch.randint(0, 4, (6, 4100), generator=g).float()
+    x[1, ::2] = -math.inf
+    x[2, :] = -math.inf
+    x[3, 4000:] = 7.0
+    for k in (1, 8, 16):
+        values, idx = _topk(x, k)
+        assert torch.equal(values, x.topk(k, dim=1).values)
+        assert torch.equal(x.gather(1, idx), values)
+        assert all(len(set(row)) == k for row in idx.tolist())
+
+
 # ---- 4. a trained copy model decodes correctly ----------------------------------------------------
 
 

@@ -105,6 +105,39 @@ def _lprobs(logits: torch.Tensor, step: int, force_eos: Optional[torch.Tensor], 
     return lp
 
 
+# Elements per block of _topk: of 32, 64, 128 and 256, 64 was the fastest or within 10% of it at
+# 1-64 sentences, beam 4, vocabularies 10,000 and 32,000 (timed when it was chosen).
+_TOPK_BLOCK = 64
+
+
+def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=1)`` of a (B, N) CPU tensor, in a fraction of the time when N is large.
+
+    torch's CPU top-k copies every element into a (value, index) pair and partially sorts them,
+    ~1.6 ns an element: beam search's top 2 x beam over beam x vocabulary took ~10 ms a step at 64
+    sentences, beam 5, 40,000 subwords (bench/topk.py). Here the maxima of blocks of 64 elements
+    are compared first: the k blocks with the largest maxima hold the k largest values (a block
+    left out has k blocks whose maxima are >= every element of it), so the top-k runs over those
+    k blocks and the tail that fills no block. The values are torch.topk's, largest first; equal
+    values may come with other indices than torch.topk gives (it defines no order among them)."""
+    rows, n = x.shape
+    blocks = n // _TOPK_BLOCK
+    if x.device.type != "cpu" or blocks < 4 * k:
+        return x.topk(k, dim=1)
+    full = blocks * _TOPK_BLOCK
+    grid = x[:, :full].reshape(rows, blocks, _TOPK_BLOCK)
+    best = grid.amax(dim=2).topk(k, dim=1).indices  # (B, k)
+    cand = grid.gather(1, best[:, :, None].expand(rows, k, _TOPK_BLOCK)).view(rows, k * _TOPK_BLOCK)
+    if full < n:
+        cand = torch.cat([cand, x[:, full:]], dim=1)
+    values, j = cand.topk(k, dim=1)
+    in_block = torch.div(j, _TOPK_BLOCK, rounding_mode="floor")
+    idx = best.gather(1, in_block.clamp(max=k - 1)) * _TOPK_BLOCK + j % _TOPK_BLOCK
+    if full < n:  # positions past the k blocks are the tail's
+        idx = torch.where(j < k * _TOPK_BLOCK, idx, j - k * _TOPK_BLOCK + full)
+    return values, idx
+
+
 def _prepare(model, src_tokens: torch.Tensor) -> torch.Tensor:
     src = torch.as_tensor(src_tokens)
     if src.dim() == 1:
@@ -179,7 +212,7 @@ def sample(model, src_tokens: torch.Tensor, topk: int = 0, topp: float = 0.0,
 
     def choose(lp: torch.Tensor) -> torch.Tensor:
         if topk > 0:
-            lp, idx = lp.topk(min(topk, lp.size(-1)), dim=-1)
+            lp, idx = _topk(lp, min(topk, lp.size(-1)))
         else:
             idx = None
         probs = lp.softmax(dim=-1)  # renormalise what survived the restriction
@@ -272,7 +305,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
         # Candidates: top 2K over (beam x vocab) per sentence, best first.
         flat = lp.view(bsz, rows_per * V)
         k2 = min(2 * K, flat.size(1))
-        cand_scores, cand_idx = flat.topk(k2, dim=1)
+        cand_scores, cand_idx = _topk(flat, k2)
         if k2 < 2 * K:  # tiny vocabulary at the first step: pad with impossible candidates
             fill = 2 * K - k2
             cand_scores = torch.cat([cand_scores, cand_scores.new_full((bsz, fill), NEG_INF)], 1)
