@@ -251,9 +251,12 @@ def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
-        try:
-            if device.type == "cpu":
+        if device.type == "cpu":
+            try:
                 tune_malloc_for_decoding()
+            except ValueError as e:  # ADMIN_DS_TUNE_MALLOC's value
+                raise PrepError(str(e)) from None
+        try:
             _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified,
                                                       precision="int8" if int8 else "fp32")
         except (UserError, NotImplementedError, ValueError, OSError) as e:

@@ -121,8 +121,8 @@ class DecoderStep:
         self.model = model
         self.post = model.cfg.norm_order == "post"
         self.heads = model.cfg.num_heads
-        # 1 / sqrt(Dh) as a tensor: a Python number becomes a new tensor at every call (~1 us of
-        # 1.7 for the 12 scalings of a 6-layer step); the product is the same, any dtype.
+        # 1 / sqrt(Dh) as a tensor made once: a Python number is made into a new tensor at every
+        # call (1.7 against 0.65 us a scaling, 12 a step of a 6-layer decoder); the same products.
         self.query_scale = torch.tensor((model.cfg.model_dim // self.heads) ** -0.5)
         self.layers = [_layer_of(layer) for layer in model.decoder_layers]
         self.final_norm = None if model.decoder_layer_norm is None else _norm_of(model.decoder_layer_norm)
