@@ -518,13 +518,21 @@ needs_onednn = pytest.mark.skipif(
     reason="this PyTorch build has no oneDNN linear ops (the rewrite is then a no-op)")
 
 
+def require_mkl_packed():
+    """Skip where PyTorch was built without MKL (ARM builds): nothing to pack for. A build with MKL
+    must have its packed GEMM ops: their absence fails rather than skips."""
+    from admin_ds.inference.packed import mkl_packed_available
+
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this PyTorch build has no MKL (an ARM build, for one): there is no MKL backend to test")
+    assert mkl_packed_available(), "PyTorch has MKL but not torch.ops.mkl._mkl_linear / _mkl_reorder_linear_weight"
+
+
 @pytest.fixture(params=["onednn", "mkl"])
 def step_backend(request, monkeypatch):
     """Each backend of a decoder step's packed products, whatever the CPU's default."""
-    from admin_ds.inference.packed import mkl_packed_available
-
-    if request.param == "mkl" and not mkl_packed_available():
-        pytest.skip("this PyTorch build has no MKL packed GEMM ops (an ARM build, for one)")
+    if request.param == "mkl":
+        require_mkl_packed()
     monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", request.param)
     return request.param
 
@@ -601,10 +609,9 @@ def test_packed_linear_on_mkl_takes_the_plain_weight_for_one_row_and_the_packed_
     """Packed for MKL (a decoder step's products on Intel CPUs), one row goes through F.linear and
     any other count, below, at and above the row count the weight was packed for, through MKL's
     packed GEMM; each computes activation(x W^T + b) as float64 arithmetic does."""
-    from admin_ds.inference.packed import _MKL_ROWS_HINT, PackedLinear, mkl_packed_available
+    from admin_ds.inference.packed import _MKL_ROWS_HINT, PackedLinear
 
-    if not mkl_packed_available():
-        pytest.skip("this PyTorch build has no MKL packed GEMM ops (an ARM build, for one)")
+    require_mkl_packed()
     calls = []
     mkl = torch.ops.mkl._mkl_linear
     monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[0].shape[0]) or mkl(*a))
