@@ -57,12 +57,22 @@ _ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCT
                "CT2_USE_MKL")
 
 
+def _dims(text: str) -> dict:
+    try:
+        d, f, h = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give width/FFN width/heads, e.g. 256/1024/4") from None
+    return dict(model_dim=d, ffn_inner_dim=f, num_heads=h)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="run directory or model file (default: a random --preset)")
     p.add_argument("--src", type=Path, default=DATA / "newstest2014.en", help="source sentences, one per line")
     p.add_argument("--preset", default="base-6L-6L")
     p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--dims", type=_dims, help="the random model's width/FFN width/heads instead of the "
+                   "--preset's, e.g. 256/1024/4 (the Multi30k recipe's)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="sentences per batch")
     p.add_argument("--length", type=int, default=32, help="target tokens per sentence (plus EOS); 0: up to EOS")
     p.add_argument("--max-len", type=int, default=128, help="--length 0: the most tokens per sentence")
@@ -83,21 +93,26 @@ def parse_args(argv=None):
 def hardware() -> str:
     model = platform.processor() or "unknown CPU"
     flags: list[str] = []
+    family_model: list[str] = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name") and model == (platform.processor() or "unknown CPU"):
                 model = line.split(":", 1)[1].strip()
+            if line.startswith(("cpu family", "model\t")) and not flags:  # AMD names no generation
+                family_model.append(line.split(":", 1)[1].strip())
             if line.startswith("flags") and not flags:
                 flags = line.split(":", 1)[1].split()
     except OSError:
         pass
     have = " ".join(f for f in _FLAGS if f in flags) or "none of " + " ".join(_FLAGS)
+    if len(family_model) == 2:
+        model += f" (family {family_model[0]}, model {family_model[1]})"
     text = (f"{model}, {os.cpu_count()} logical CPUs visible, {platform.system()} {platform.release()}; "
             f"flags: {have}")
     if limits := {k: os.environ[k] for k in _ISA_LIMITS if os.environ.get(k)}:
         import torch
 
-        text += (f"; instruction sets limited by {', '.join(f'{k}={v}' for k, v in limits.items())} "
+        text += (f"; backend and instruction-set settings: {', '.join(f'{k}={v}' for k, v in limits.items())} "
                  f"(torch's kernels: {torch.backends.cpu.get_cpu_capability()})")
     return text
 
@@ -120,7 +135,7 @@ def build(args, tmp: Path):
         spm = train_subword_model(files, tmp / "spm", vocab_size=args.vocab, seed=1, num_threads=2)
         torch.manual_seed(1)
         cfg = get_preset(args.preset, vocab_size=args.vocab, dropout_p=0.0, attention_dropout_p=0.0,
-                         activation_dropout_p=0.0)
+                         activation_dropout_p=0.0, **(args.dims or {}))
         mf = ModelFile(cfg, build_model(cfg).state_dict(), None, None, spm.read_bytes(), {"source": "bench"})
     export.export_hf_marian(mf, tmp / "hf")
     export.convert_ct2(tmp / "hf", tmp / "ct2")
@@ -339,7 +354,8 @@ def main(argv=None) -> int:
     script = Path(sys.argv[0]).resolve()
     command = " ".join(["python", str(script.relative_to(REPO) if script.is_relative_to(REPO) else script),
                         *sys.argv[1:]])
-    described = args.model or (f"{args.preset} randomly initialised, vocabulary {args.vocab} (SentencePiece "
+    dims = "" if args.dims is None else " at {model_dim}/{ffn_inner_dim}/{num_heads}".format(**args.dims)
+    described = args.model or (f"{args.preset}{dims} randomly initialised, vocabulary {args.vocab} (SentencePiece "
                                f"unigram on newstest2013/2014 en+de)")
     work = (f"every decoder forced to {args.length} tokens + EOS per sentence" if args.length > 0 else
             f"every decoder up to EOS or {args.max_len} tokens")

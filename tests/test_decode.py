@@ -577,21 +577,32 @@ def test_packed_model_computes_what_the_plain_model_computes(kw, step_backend):
 
 @needs_onednn
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
-def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(activation, monkeypatch):
-    """A decoder-step product (few_rows=True) packed for oneDNN multiplies up to 8 rows by a weight
-    of at most 1 MiB, and one row by a larger weight, with F.linear; more rows go through oneDNN's
-    packed weight. Each path, and the weight that keeps no plain copy, computes
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(activation, vendor, monkeypatch):
+    """A decoder-step product (few_rows=True) packed for oneDNN multiplies with F.linear, on an
+    Intel CPU, up to 8 rows by a weight of at most 1 MiB and one row by a larger weight; on an AMD
+    CPU, up to 8 rows by a weight of at most 256 KiB and no row by a larger one. Other row counts
+    go through oneDNN's packed weight. Each path, and the weight that keeps no plain copy, computes
     activation(x W^T + b) as F.linear on the original weight does."""
+    from admin_ds.inference import packed
     from admin_ds.inference.packed import PackedLinear
 
+    monkeypatch.setattr(packed, "_cpu_vendor", lambda: vendor)
     calls = []
     onednn = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or onednn(*a))
     act = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu}[activation]
     torch.manual_seed(0)
-    small = (torch.randn(512, 512) / 16, torch.randn(512))  # exactly 1 MiB
-    large = (torch.randn(520, 512) / 16, torch.randn(520))  # just over
-    cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [1], [2, 8, 64]), (small, False, [], [1, 8, 64])]
+
+    def weight(out_f, in_f):
+        return torch.randn(out_f, in_f) / 16, torch.randn(out_f)
+
+    if vendor == "GenuineIntel":
+        small, large = weight(512, 512), weight(520, 512)  # exactly 1 MiB, and just over
+        cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [1], [2, 8, 64]), (small, False, [], [1, 8, 64])]
+    else:
+        small, large = weight(128, 512), weight(130, 512)  # exactly 256 KiB, and just over
+        cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [], [1, 2, 8, 64]), (small, False, [], [1, 8, 64])]
     for (w, b), few_rows, plain_rows, onednn_rows in cases:
         layer = PackedLinear(w, b, activation, few_rows=few_rows, backend="onednn")
         for rows in plain_rows + onednn_rows:
@@ -727,9 +738,26 @@ def test_decoder_step_computes_what_model_decode_computes(kw, rewrite):
     with torch.no_grad():
         want = stepwise_logits(model, lambda *a: model.decode(*a)[:, -1], src, tgt, beams)
         got = stepwise_logits(model, step, src, tgt, beams)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert_same_step_logits(got, want, int8=rewrite == "int8")
     one = [stepwise_logits(model, f, src[:1], tgt[:1], 1) for f in (step, lambda *a: model.decode(*a)[:, -1])]
-    assert (one[0] - one[1]).abs().max() <= 1e-5 * one[1].abs().max()  # one row: the F.linear path
+    assert_same_step_logits(*one, int8=rewrite == "int8")  # one row: the F.linear path
+
+
+def assert_same_step_logits(got: torch.Tensor, want: torch.Tensor, int8: bool) -> None:
+    """got == want (rows, positions, vocabulary) to float32 rounding; in int8, in most rows.
+
+    An int8 product rounds its input to 256 levels. Where the two paths' float operators (attention,
+    LayerNorm) round differently, by ~1e-7, a value on a level boundary can land on the next level,
+    and that row's logits move by up to ~1% from there on (seen on an AMD EPYC: one row in twelve,
+    by 0.5% of the largest logit). So in int8 three rows in four must agree to float rounding, and
+    none may be off by more than 2%; a wrong step (a scale, a mask, a norm) moves every row."""
+    scale = want.abs().max()
+    if not int8:
+        assert (got - want).abs().max() <= 1e-5 * scale
+        return
+    row_err = (got - want).abs().flatten(1).amax(1)
+    assert row_err.le(1e-5 * scale).float().mean() >= 0.75 or len(row_err) == 1, row_err / scale
+    assert row_err.max() <= 0.02 * scale, row_err / scale
 
 
 def test_decoder_step_leaves_a_replaced_or_recorded_decode_to_the_model(copy_models):

@@ -20,7 +20,7 @@ level at several hundred. The encoder's (many rows) stay with oneDNN.
 Only float32 on a CPU with PyTorch's oneDNN backend is rewritten; anything else (a GPU, bf16, a
 build without oneDNN) returns the model unchanged. ``ADMIN_DS_PACKED_LINEAR``: ``0`` turns the
 rewrite off; ``onednn`` packs every product for oneDNN; ``mkl`` packs a step's products for MKL on
-any CPU (the default does so on Intel only: MKL's speed on other CPUs is not measured here).
+any CPU (the default does so on Intel only: on an AMD EPYC it was slower than oneDNN's).
 
 ``precision="int8"`` (translate.py --int8) makes every linear layer an ``Int8Linear`` instead:
 dynamic int8 quantization, as CTranslate2's int8 does it. Weights are int8 with one scale per
@@ -61,9 +61,12 @@ _ROWS_HINT = 64
 _MKL_ROWS_HINT = 128
 # PackedLinear(few_rows=True) on oneDNN multiplies up to _FEW_ROWS rows by a weight of at most
 # _SMALL_WEIGHT bytes with F.linear (MKL), and a single row by any weight; more rows go to oneDNN.
-# On MKL's packed GEMM only a single row takes F.linear.
+# On AMD CPUs, where F.linear's matrix-vector product is 2-5x slower than oneDNN's packed one, only
+# weights of at most _AMD_SMALL_WEIGHT bytes take F.linear (up to _FEW_ROWS rows). On MKL's packed
+# GEMM only a single row takes F.linear. (_plain_rows; the measurements: PackedLinear's docstring.)
 _FEW_ROWS = 8
 _SMALL_WEIGHT = 1 << 20
+_AMD_SMALL_WEIGHT = 1 << 18
 _FUSED = {F.relu: ("relu", ""), F.gelu: ("gelu", "none")}  # activation -> (oneDNN post-op, algorithm)
 
 
@@ -111,6 +114,16 @@ def _step_backend() -> str:
     return "onednn"
 
 
+def _plain_rows(weight_bytes: int, backend: str) -> int:
+    """Up to how many rows PackedLinear(few_rows=True) multiplies by its plain weight (F.linear)
+    rather than by the packed one: the measured rule of PackedLinear's docstring."""
+    if backend == "mkl":
+        return 1
+    if "amd" in _cpu_vendor().lower():
+        return _FEW_ROWS if weight_bytes <= _AMD_SMALL_WEIGHT else 0
+    return _FEW_ROWS if weight_bytes <= _SMALL_WEIGHT else 1
+
+
 def mkl_packed_available() -> bool:
     """True when this PyTorch build has MKL's packed GEMM ops (x86 builds; not ARM's)."""
     return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
@@ -136,11 +149,15 @@ class PackedLinear(nn.Module):
     place after MKL's.
 
     ``few_rows``: also keep the weight as it is, for products of few rows (a decoder step of one
-    or a few hypotheses), which ``F.linear`` runs faster than oneDNN's packed path: that path has
-    ~15-20 us of fixed cost per call and streams a weight slower. On oneDNN, ``F.linear`` is used
-    for one row, and for up to ``_FEW_ROWS`` rows when the weight is at most ``_SMALL_WEIGHT``
-    bytes (a 256- or 512-wide model's attention products, a 256-wide one's FFN); on MKL for one
-    row only. Costs a second copy of those weights (MKL's product also takes it, for its shape).
+    or a few hypotheses), which ``F.linear`` runs faster than oneDNN's packed path on Intel CPUs:
+    that path has ~15-20 us of fixed cost per call and streams a weight slower there. On oneDNN,
+    ``F.linear`` is used for one row, and for up to ``_FEW_ROWS`` rows when the weight is at most
+    ``_SMALL_WEIGHT`` bytes (a 256- or 512-wide model's attention products, a 256-wide one's FFN);
+    on MKL for one row only. On AMD CPUs the reverse holds: ``F.linear``'s matrix-vector product
+    (MKL's, on a CPU it does not tune for) is the slow one, and only weights of at most
+    ``_AMD_SMALL_WEIGHT`` bytes (a 256-wide model's attention outputs) take it, for up to
+    ``_FEW_ROWS`` rows. Costs a second copy of those weights (MKL's product also takes it, for its
+    shape).
 
     Measured (bench/decode_rows.py, bench/decode_rows_results.md: packed time / F.linear time, above
     1 where F.linear is faster; six copies of each weight so that none stays in cache, 2 threads),
@@ -149,6 +166,10 @@ class PackedLinear(nn.Module):
     0.74-1.72; larger weights at 2 rows 1.20-1.46 (0.84-1.12), at 4 rows 0.73-1.00 (0.92-1.13).
     MKL's packed GEMM: at 2-64 rows 0.94-2.69x the speed of oneDNN's (1.02-2.41x under AVX2),
     against F.linear 0.55-1.32 (0.66-1.01); one row 0.94-1.52 (1.06-1.57): F.linear keeps it.
+    On a 2-core AMD EPYC (Zen 4, AVX-512), oneDNN: one row 0.27-0.88 for weights over 256 KiB
+    (1.18 for (256, 1024)), 2-64 rows 0.17-0.84; the (256, 256) weight 1.33-2.25 at 1-8 rows.
+    MKL's packed GEMM there: 0.51-2.42 at 1-2 rows, 0.82-1.24 from 4 rows: slower than oneDNN's
+    for every weight over 256 KiB but (768, 256) at one row, so oneDNN stays the default there.
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str = "none",
@@ -171,8 +192,7 @@ class PackedLinear(nn.Module):
         self.weight = w if few_rows or backend == "mkl" else None
         self.bias = None if bias is None else bias.detach().float().contiguous()
         # Up to this many rows go through F.linear (0: none).
-        small = w.numel() * 4 <= _SMALL_WEIGHT
-        self.plain_rows = 0 if not few_rows else 1 if backend == "mkl" or not small else _FEW_ROWS
+        self.plain_rows = _plain_rows(w.numel() * 4, backend) if few_rows else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
