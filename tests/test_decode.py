@@ -605,6 +605,7 @@ def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(a
         cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [], [1, 2, 8, 64]), (small, False, [], [1, 8, 64])]
     for (w, b), few_rows, plain_rows, onednn_rows in cases:
         layer = PackedLinear(w, b, activation, few_rows=few_rows, backend="onednn")
+        assert (layer.weight is not None) == bool(plain_rows)  # a plain copy only where it is used
         for rows in plain_rows + onednn_rows:
             x = torch.randn(rows, 512)
             calls.clear()

@@ -189,10 +189,10 @@ class PackedLinear(nn.Module):
                 self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_ROWS_HINT)
             else:
                 self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT)
-        self.weight = w if few_rows or backend == "mkl" else None
-        self.bias = None if bias is None else bias.detach().float().contiguous()
         # Up to this many rows go through F.linear (0: none).
         self.plain_rows = _plain_rows(w.numel() * 4, backend) if few_rows else 0
+        self.weight = w if self.plain_rows or backend == "mkl" else None
+        self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
