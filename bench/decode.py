@@ -84,6 +84,8 @@ def parse_args(argv=None):
     p.add_argument("--onednn", action="store_true",
                    help="also ours with every product packed for oneDNN (ADMIN_DS_PACKED_LINEAR=onednn; "
                         "the default packs a step's products for MKL on Intel CPUs)")
+    p.add_argument("--compile", action="store_true",
+                   help="also ours with a compiled decoder step (translate.py --compile; fp32)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
@@ -143,13 +145,15 @@ def build(args, tmp: Path):
     return mf, lines
 
 
-def models(mf, precision: str, plain: bool, onednn: bool):
-    """{name: model} decoding as translate.py does in ``precision`` (and the F.linear model, and
-    the model with every product packed for oneDNN)."""
+def models(mf, precision: str, plain: bool, onednn: bool, compiled: bool = False):
+    """{name: model} decoding as translate.py does in ``precision`` (and the F.linear model, the
+    model with every product packed for oneDNN, and the model with a compiled decoder step)."""
     from admin_ds.inference.model_file import build_from_model_file
     from admin_ds.inference.packed import optimize_for_decoding
 
     out = {"admin_ds": optimize_for_decoding(build_from_model_file(mf)[0], precision)}
+    if compiled and precision == "fp32":
+        out["admin_ds_compiled"] = optimize_for_decoding(build_from_model_file(mf)[0], precision, compile_step=True)
     if plain and precision == "fp32":
         out["admin_ds_plain"] = build_from_model_file(mf)[0].eval()
     if onednn and precision == "fp32":
@@ -267,13 +271,18 @@ def profile_search(fn) -> tuple[str, dict, float]:
     return events.table(sort_by="self_cpu_time_total", row_limit=12), shares, wall
 
 
+WARM_UP: dict = {}  # (engine, beam) -> seconds of its last warm-up call (a compiled step compiles there)
+
+
 def measure(args, runs) -> tuple[dict, dict]:
     """({(engine, beam): [seconds per round]}, {(engine, beam): outputs}): a warm-up (which checks
     the forced length), then --repeats rounds, interleaved so that a busy moment of the machine hits
     every decoder alike."""
     outputs = {}
     for key, run in runs.items():
+        t0 = time.perf_counter()
         outputs[key] = run()
+        WARM_UP[key] = time.perf_counter() - t0
         if args.length > 0:
             steps = [len(h) for h in outputs[key]]
             if set(steps) != {args.length + 1}:
@@ -304,7 +313,11 @@ def rows_for(args, label: str, times: dict, outputs: dict, n: int) -> list[str]:
         ref = outputs[("admin_ds", beam)]
         agree = [f"{e} {sum(a[:cut] == b[:cut] for a, b in zip(ref, outputs[(e, beam)]))}/{n}"
                  for e in engines if e != "admin_ds"]
-        rows.append(f"| {label} | {'greedy' if beam == 1 else f'beam {beam}'} | **{ct2 / ours:.2f}x** | "
+        ratio = f"**{ct2 / ours:.2f}x**"
+        if ("admin_ds_compiled", beam) in times:
+            ratio += (f"; compiled **{ct2 / min(times[('admin_ds_compiled', beam)]):.2f}x** (its warm-up "
+                      f"{WARM_UP[('admin_ds_compiled', beam)]:.0f} s)")
+        rows.append(f"| {label} | {'greedy' if beam == 1 else f'beam {beam}'} | {ratio} | "
                     f"{'; '.join(cells)} | {'; '.join(agree)} | "
                     f"{' / '.join(f'{statistics.median(times[(e, beam)]):.3f}' for e in engines)} |")
     return rows
@@ -334,7 +347,7 @@ def main(argv=None) -> int:
         mf, lines = build(args, Path(tmp))
         _, subword = build_from_model_file(mf)
         for precision in args.precisions:
-            ours = models(mf, precision, args.plain, args.onednn)
+            ours = models(mf, precision, args.plain, args.onednn, args.compile)
             cfg = ours["admin_ds"].cfg
             for threads in args.threads:
                 torch.set_num_threads(threads)
@@ -373,7 +386,10 @@ def main(argv=None) -> int:
         f"{args.repeats} interleaved rounds, encoding included",
         "",
         "ours = admin_ds as translate.py decodes (fp32: weights packed, a decoder step's products for "
-        f"{step_backend}; int8: --int8). glibc malloc's thresholds "
+        f"{step_backend}; int8: --int8"
+        + ("; compiled: translate.py --compile, a decoder step compiled by torch.compile, its compilation in "
+           "the warm-up call, not in the times" if args.compile else "")
+        + "). glibc malloc's thresholds "
         + ("set for decoding as translate.py sets them (admin_ds/inference/allocator.py), for every decoder in "
            "the process." if malloc_tuned else "left as they are."),
         "",

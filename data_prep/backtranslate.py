@@ -75,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int_in(1), default=None,
                    help="torch threads per rank for decoding (default: the rank's share of the cores)")
     p.add_argument("--int8", action="store_true", help="CPU: decode with dynamic int8 linear layers")
+    p.add_argument("--compile", action="store_true",
+                   help="CPU fp32: compile the decoder step with torch.compile (launch/translate.py --compile)")
     p.add_argument("--min-len", type=int_in(0), default=1)
     p.add_argument("--max-len", type=int_in(1), default=250)
     p.add_argument("--ratio", type=float_in(1), default=1.5)
@@ -84,6 +86,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.min_len > a.max_len:
         p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
+    if a.compile and a.int8:
+        p.error("--compile compiles an fp32 decoder step: drop --int8 or --compile")
     return a
 
 
@@ -212,7 +216,7 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tu
             log(f"[bt] shard {i}: already done, skipped")
             continue
         if model is None:
-            model, subword, _ = load_model(a.model, a.trust_unverified, a.int8)
+            model, subword, _ = load_model(a.model, a.trust_unverified, a.int8, a.compile)
         t0 = time.perf_counter()
         s, e = bounds[i]
         src = translate_shard(model, subword, lines[s:e], a, a.seed + i)
@@ -235,11 +239,12 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tu
 _MODEL_CACHE: dict = {}
 
 
-def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
+def load_model(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False):
     """The reverse model and its subword model, loaded once per process (admin_ds/inference/
     model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
     torchrun or deepspeed), else on the CPU with oneDNN packed weights (or int8 ones), malloc's
-    thresholds set for decoding (admin_ds/inference/allocator.py)."""
+    thresholds set for decoding (admin_ds/inference/allocator.py); ``compile_step``: on the CPU,
+    with a compiled decoder step (admin_ds/inference/step.py)."""
     if "model" not in _MODEL_CACHE:
         import torch
 
@@ -247,7 +252,7 @@ def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
         from admin_ds.inference.allocator import tune_malloc_for_decoding
         from admin_ds.inference.model_file import load_for_decoding
 
-        if torch.cuda.is_available() and not int8:
+        if torch.cuda.is_available() and not (int8 or compile_step):
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
@@ -258,16 +263,16 @@ def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
                 raise PrepError(str(e)) from None
         try:
             _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified,
-                                                      precision="int8" if int8 else "fp32")
+                                                      precision="int8" if int8 else "fp32", compile_step=compile_step)
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             raise PrepError(f"--model {path}: {e}") from None
     return _MODEL_CACHE["model"]
 
 
-def model_identity(path: Path, trust_unverified: bool = False, int8: bool = False) -> dict:
+def model_identity(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False) -> dict:
     """What identifies the reverse model: the model file's checksum, or the run checkpoint's
     source/tag/update and subword checksum; and the precision it decodes in."""
-    _, _, mf = load_model(path, trust_unverified, int8)
+    _, _, mf = load_model(path, trust_unverified, int8, compile_step)
     ident = {"path": str(path.resolve()), "subword_sha256": mf.subword_sha256,
              "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang"),
              "precision": "int8" if int8 else "fp32"}
@@ -404,7 +409,7 @@ def run(a) -> int:
         torch.set_num_threads(threads)
         manifest, sp = check_inputs(a)
         t_load = time.perf_counter()
-        model_id = model_identity(a.model, a.trust_unverified, a.int8)
+        model_id = model_identity(a.model, a.trust_unverified, a.int8, a.compile)
         t_read = time.perf_counter()
         if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
             log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "

@@ -15,7 +15,9 @@ Intel CPUs MKL's packed GEMM for a decoder step's products; faster matrix produc
 small row counts); --plain-linear decodes without that.
 --int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
 per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
-(BENCHMARKS.md: speed and the BLEU change). On a CPU, glibc malloc keeps freed memory for the next
+(BENCHMARKS.md: speed and the BLEU change). --compile (CPU, fp32) runs each decoder step as one
+graph compiled by torch.compile (admin_ds/inference/step.py): fastest at a few sentences per batch,
+after a minute or more of compilation at the start (cached on disk for the next run). On a CPU, glibc malloc keeps freed memory for the next
 batch (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
@@ -60,6 +62,9 @@ def parse_args(argv=None):
                    help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference/packed.py)")
     p.add_argument("--int8", action="store_true",
                    help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
+    p.add_argument("--compile", action="store_true",
+                   help="CPU fp32: compile the decoder step with torch.compile (admin_ds/inference/step.py); "
+                        "needs a C++ compiler, compiles for a minute or more first")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
@@ -71,6 +76,8 @@ def parse_args(argv=None):
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
     if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
         p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
+    if args.compile and (args.dtype != "fp32" or args.int8 or args.device == "cuda"):
+        p.error("--compile compiles a CPU fp32 decoder step: drop --dtype, --int8 and --device cuda")
     return args
 
 
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
     from admin_ds.inference.allocator import tune_malloc_for_decoding
     from admin_ds.inference.model_file import load_for_decoding
 
-    device = args.device or ("cuda" if torch.cuda.is_available() and not args.int8 else "cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() and not (args.int8 or args.compile) else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available", file=sys.stderr)
         return 2
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
             lines = read_input(str(args.input), rank)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
                                                   packed=not args.plain_linear, trust_unverified=args.trust_unverified,
-                                                  precision="int8" if args.int8 else "fp32")
+                                                  precision="int8" if args.int8 else "fp32", compile_step=args.compile)
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -153,6 +160,7 @@ def main(argv=None) -> int:
             results.flush()
             print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.2f}s on {world} rank(s), "
                   f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {'int8' if args.int8 else args.dtype}"
+                  f"{', compiled step' if args.compile else ''}"
                   f"{', folded' if args.fold else ''}; model {args.checkpoint}",
                   file=sys.stderr)
     return 0

@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 import random
+import shutil
 import time
 
 import pytest
@@ -788,6 +789,59 @@ def test_searches_through_the_flat_step_equal_searches_through_the_modules(copy_
     kw = dict(max_len_a=1.0, max_len_b=3)
     assert_same_searches(model, modules, src, **kw)
     assert sample(model, src, seed=3, **kw) == sample(modules, src, seed=3, **kw)
+
+
+needs_cpp_compiler = pytest.mark.skipif(
+    not any(map(shutil.which, ("g++", "c++", "clang++"))),
+    reason="torch.compile's CPU code generation needs a C++ compiler")
+
+
+@needs_cpp_compiler
+def test_compiled_decoder_step_computes_what_model_decode_computes():
+    """translate.py --compile: the decoder step as graphs compiled by torch.compile (generated C++
+    products over weights frozen in at compile time; the cache grown outside the graph; sizes
+    marked symbolic) against model.decode on an Admin model: logits of three beams per sentence,
+    reordered between steps, over sources of mixed lengths, the cache grown from 2 positions; then
+    greedy and beam search (other graphs: one hypothesis per sentence, then four) against the
+    flat step's, with their scores. Compiling takes a minute here; it is done once."""
+    from torch._dynamo.utils import counters
+
+    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.step import CompiledDecoderStep, DecoderStep, decoder_step
+
+    model, src, _ = tiny_model_and_batch(dict(init="admin"))
+    flat = packed_copy(model)
+    compiled = optimize_for_decoding(model, "fp32", compile_step=True)
+    step = decoder_step(compiled)
+    assert isinstance(step, CompiledDecoderStep) and type(decoder_step(flat)) is DecoderStep
+    assert not any(p.requires_grad for p in compiled.parameters())  # frozen in only without gradients
+    graphs = counters["stats"]["unique_graphs"]
+    beams, src = 3, src[:4]
+    assert bool(src.eq(PAD).any())
+    tgt = torch.cat([torch.full((4 * beams, 1), EOS), torch.randint(4, 1000, (4 * beams, 7))], dim=1)
+    with torch.inference_mode():
+        want = stepwise_logits(flat, lambda *a: flat.decode(*a)[:, -1], src, tgt, beams)
+        got = stepwise_logits(compiled, step, src, tgt, beams)
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled, not run eagerly
+    assert_same_step_logits(got, want, int8=False)
+
+    many, _ = sources(21, 10)
+    kw = dict(max_len_a=1.0, max_len_b=2)
+    assert greedy(compiled, many, **kw) == greedy(flat, many, **kw)
+    got, want = (beam_search(m, many, beam=4, nbest=2, **kw) for m in (compiled, flat))
+    assert [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in want]
+    assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
+
+
+def test_compiled_decoder_step_refused_off_cpu_fp32_and_with_int8(copy_models):
+    """A compiled step is a CPU fp32 decoder step: an int8 or bf16 request is refused with the
+    reason, before anything is compiled (translate.py's refusal: test_translate.py)."""
+    from admin_ds.inference.packed import optimize_for_decoding
+
+    with pytest.raises(ValueError, match="CPU in float32, not int8"):
+        optimize_for_decoding(copy.deepcopy(copy_models.half), "int8", compile_step=True)
+    with pytest.raises(ValueError, match="not fp32 on cpu bfloat16"):
+        optimize_for_decoding(copy.deepcopy(copy_models.half).to(torch.bfloat16), "fp32", compile_step=True)
 
 
 # ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------

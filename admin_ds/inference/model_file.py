@@ -360,11 +360,12 @@ def load_any(path: str | os.PathLike, tag: Optional[str] = None, trust_unverifie
 
 def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device: str | torch.device = "cpu",
                       dtype: torch.dtype = torch.float32, fold: bool = False, packed: bool = True,
-                      trust_unverified: bool = False, precision: str = "fp32"):
+                      trust_unverified: bool = False, precision: str = "fp32", compile_step: bool = False):
     """``(model, subword model, ModelFile)`` ready to translate: in eval mode on ``device`` in
     ``dtype``; omega folded away first if ``fold`` (fold.py: the same translations from a vanilla
     Post-LN model); on a CPU in fp32 the weights packed for oneDNN unless ``packed=False``, or
-    quantized to int8 with ``precision="int8"`` (CPU fp32 only; admin_ds/inference/packed.py)."""
+    quantized to int8 with ``precision="int8"`` (CPU fp32 only; admin_ds/inference/packed.py);
+    ``compile_step`` (CPU fp32): a decoder step compiled by torch.compile (inference/step.py)."""
     from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.model.fold import fold_omega
 
@@ -373,6 +374,6 @@ def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device
     if fold:
         model = fold_omega(model)  # in fp32, before any cast
     model = model.to(device=device, dtype=dtype).eval()
-    if packed or precision != "fp32":
-        model = optimize_for_decoding(model, precision)  # fp32: CPU only, elsewhere a no-op
+    if packed or precision != "fp32" or compile_step:
+        model = optimize_for_decoding(model, precision, compile_step)  # fp32: CPU only, elsewhere a no-op
     return model, subword, mf

@@ -30,7 +30,7 @@ quarter of the bytes, and VNNI/AMX CPUs multiply int8 several times faster than 
 (bench/decode.py). Output is no longer exact: the rounding changes logits by ~1% and may flip a
 near-tie between hypotheses (tests/test_decode.py states the tolerance; BENCHMARKS.md the BLEU).
 
-This file imports torch and model.py only.
+This file imports torch, model.py and step.py only.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from admin_ds.inference.step import compile_decoder_step
 from admin_ds.model.layers import FeedForward
 from admin_ds.model.transformer import EncoderDecoder
 
@@ -323,7 +324,7 @@ def _computes_linear(make, atol: float, rows: int = 5) -> bool:
 PRECISIONS = ("fp32", "int8")
 
 
-def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> EncoderDecoder:
+def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compile_step: bool = False) -> EncoderDecoder:
     """Rewrite ``model`` in place for decoding and return it (in eval mode).
 
     CPU and float32: every Linear becomes a PackedLinear (``precision="fp32"``; a decoder step's
@@ -331,12 +332,24 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
     FFN activations fused into the first product, each decoder self-attention gets one product for
     a step's Q, K and V, and a tied output projection gets its own copy of the embedding matrix.
     fp32 elsewhere (a GPU, bf16): unchanged; int8 elsewhere: refused.
+
+    ``compile_step`` (CPU, fp32; translate.py --compile): the decoder step's products stay Linear
+    layers (Q, K and V in one) and the model gets a compiled decoder step
+    (step.compile_decoder_step), which generates its own kernels for them; the encoder's products
+    and the first step's are packed as above.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown decoding precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     model.eval()
     param = next(model.parameters())
     cpu_fp32 = param.device.type == "cpu" and param.dtype == torch.float32
+    if compile_step and (precision != "fp32" or not cpu_fp32):
+        where = f"{precision} on {param.device.type} {str(param.dtype).replace('torch.', '')}"
+        raise ValueError(f"a compiled decoder step decodes on the CPU in float32, not {where}")
+    if compile_step:  # the weights must not require gradients to be compiled in as constants
+        _pack(model.requires_grad_(False), PackedLinear if _packing_works() else None, compile_step=True)
+        compile_decoder_step(model)
+        return model
     if precision == "int8":
         if not cpu_fp32:
             raise ValueError(f"int8 decoding runs on the CPU from a float32 model, not {param.device.type} "
@@ -345,12 +358,25 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
             raise NotImplementedError("int8 decoding: this PyTorch build has no working quantized CPU backend")
         make = Int8Linear
     else:
-        if not cpu_fp32 or _packed_choice() == "0":
-            return model
-        if not packed_linear_available() or not _computes_linear(PackedLinear, atol=1e-5):
-            log.warning("oneDNN packed linear products unavailable in this PyTorch build; decoding with F.linear")
+        if not cpu_fp32 or not _packing_works():
             return model
         make = PackedLinear
+    return _pack(model, make)
+
+
+def _packing_works() -> bool:
+    """PackedLinear is on (ADMIN_DS_PACKED_LINEAR) and computes F.linear's products in this build."""
+    if _packed_choice() == "0":
+        return False
+    if not packed_linear_available() or not _computes_linear(PackedLinear, atol=1e-5):
+        log.warning("oneDNN packed linear products unavailable in this PyTorch build; decoding with F.linear")
+        return False
+    return True
+
+
+def _pack(model: EncoderDecoder, make, compile_step: bool = False) -> EncoderDecoder:
+    """optimize_for_decoding's rewrite with ``make`` (PackedLinear, Int8Linear, or None: no Linear
+    replaced); ``compile_step``: a decoder step's products stay Linear layers."""
     # The products of a decoder step, which run on one or a few rows when few hypotheses are decoded.
     step = {id(m) for layer in model.decoder_layers
             for m in (layer.self_attn.out_proj, layer.encoder_attn.q_proj, layer.encoder_attn.out_proj,
@@ -359,6 +385,8 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
     step_backend = _step_backend() if make is PackedLinear else None
 
     def convert(weight: torch.Tensor, bias, activation: str = "none", few_rows: bool = False) -> nn.Module:
+        if compile_step and few_rows:
+            return _linear(weight, bias)
         if make is PackedLinear:
             return PackedLinear(weight, bias, activation, few_rows=few_rows,
                                 backend=step_backend if few_rows else "onednn")
@@ -369,14 +397,29 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32") -> Enc
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
         attn.qkv_proj = convert(torch.cat([p.weight for p in projs]), torch.cat([p.bias for p in projs]),
                                 few_rows=True)
+        step.add(id(attn.qkv_proj))
+
+    def replaced(linear: nn.Module) -> bool:
+        return isinstance(linear, nn.Linear) and make is not None and not (compile_step and id(linear) in step)
+
     for module in list(model.modules()):
-        if isinstance(module, FeedForward) and module.activation in _FUSED and isinstance(module.fc1, nn.Linear):
+        if isinstance(module, FeedForward) and module.activation in _FUSED and replaced(module.fc1):
             module.fc1 = convert(module.fc1.weight, module.fc1.bias, _FUSED[module.activation][0],
                                  few_rows=id(module.fc1) in step)
             module.activation = _identity
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if replaced(child):
                 setattr(module, name, convert(child.weight, child.bias, few_rows=id(child) in step))
-    if model.output_proj is None:  # tied: the embedding matrix also projects to the vocabulary
+    if model.output_proj is None and not compile_step:  # tied: the embedding matrix also projects
         model.output_proj = convert(model.target_embedding.weight, None, few_rows=True)
     return model
+
+
+def _linear(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> nn.Linear:
+    """An nn.Linear holding ``weight`` and ``bias`` (inference: no gradient)."""
+    linear = nn.Linear(weight.size(1), weight.size(0), bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear.requires_grad_(False)

@@ -22,11 +22,18 @@ profiling recorder attached, a residual other than ``scale * x + y``, a norm oth
 and a model whose ``decode`` was replaced on the instance all go through it. tests/test_decode.py
 checks that the two compute the same logits and translations.
 
+``CompiledDecoderStep`` (translate.py --compile) runs the same loop as graphs compiled by
+torch.compile: what is left of a step in eager PyTorch besides streaming the weights, ~35 operator
+calls a layer and oneDNN's ~15 us fixed cost per product, goes, and the products run as C++
+kernels generated for their shapes. A minute or more of compilation per process buys ~2x at one
+sentence (BENCHMARKS.md).
+
 This file imports torch and model.py only.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -37,7 +44,7 @@ from admin_ds.model.layers import DecoderLayer, IncrementalState
 from admin_ds.model.residual import OmegaResidual, PlainResidual, ScaledResidual
 from admin_ds.model.transformer import EncoderDecoder
 
-__all__ = ["DecoderStep", "decoder_step"]
+__all__ = ["CompiledDecoderStep", "DecoderStep", "compile_decoder_step", "decoder_step"]
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, IncrementalState], torch.Tensor]
@@ -138,10 +145,20 @@ class DecoderStep:
             b, s = src_pad.shape
             self._pad_seen = src_pad
             self._mask = (src_pad[:, None, :].expand(b, self.heads, s).reshape(b * self.heads, 1, s)
-                          if bool(src_pad.any()) else None)
-        mask = self._mask
+                          if self.always_mask or bool(src_pad.any()) else None)
         rows = tokens.size(0)
         x = self.model.embed_target(tokens, state.length).view(rows, -1)
+        logits = self._layers_for(state)(x, state, self._mask)
+        state.length += 1
+        return logits
+
+    always_mask = False  # a mask also where the source has no padding
+
+    def _layers_for(self, state: IncrementalState) -> Callable:
+        return self._decoder
+
+    def _decoder(self, x: torch.Tensor, state: IncrementalState, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Every decoder layer on x (R, D), the new position's embedding, and the output projection."""
         for layer in self.layers:
             (n1, n2, n3), (s1, s2, s3) = layer.norms, layer.scales
             if self.post:  # LN(scale * x + f(x)), layers._SubLayers
@@ -153,7 +170,6 @@ class DecoderStep:
                 x = _residual(x, self._encoder_attention(layer, _layer_norm(x, n2), state, mask), s2)
                 h = _layer_norm(x, n3)
                 x = _residual(x, layer.fc2(layer.activation(layer.fc1(h))), s3)
-        state.length += 1
         return self.model.project(_layer_norm(x, self.final_norm))
 
     def _self_attention(self, layer: _Layer, x: torch.Tensor, state: IncrementalState) -> torch.Tensor:
@@ -190,9 +206,96 @@ class DecoderStep:
         return scores.softmax(dim=-1, dtype=torch.float32).to(scores.dtype)
 
 
+# torch.compile's inductor options for CompiledDecoderStep: the weights folded in as constants
+# (freezing), and each product benchmarked once between a C++ matrix-product kernel generated for
+# its shape (inductor's CPP GEMM template, over the weight packed at compile time) and the library
+# call (ATen's). On the 2-core AMD EPYC the generated kernels won at every shape of a step, and
+# streamed a step's weights ~1.3x faster than oneDNN's packed products (BENCHMARKS.md). The
+# template alone fails on some shapes (no valid choice), hence ATen beside it.
+# The benchmark's tables are not printed.
+COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                   "autotune_num_choices_displayed": 0}
+_RECOMPILE_LIMIT = 32
+
+
+class CompiledDecoderStep(DecoderStep):
+    """A ``DecoderStep`` whose layers and output projection run as one graph compiled by
+    ``torch.compile`` (inductor): the step's products become C++ kernels over the weights packed
+    once, and the operators between them fused, so a step costs little beyond streaming the
+    weights. CPU, float32, inference only: the weights are compiled in as constants.
+
+    The first call for a shape compiles (a minute for a base model on two cores; inductor caches
+    the result on disk, so later processes take seconds). Shapes that change (rows as sentences
+    finish, the number of cached positions, the source length) are compiled once more as symbolic
+    sizes, not at every value. Measured against DecoderStep and CTranslate2: BENCHMARKS.md."""
+
+    # One graph for every batch: with or without source padding alike (a mask of zeros is free
+    # inside the graph), and the positions from the third on (torch.compile makes a size or count of
+    # 0 or 1 a constant, so the second position, with one cached, would be a graph of its own).
+    always_mask = True
+    _FIRST_COMPILED_POSITION = 2
+
+    def __init__(self, model: EncoderDecoder) -> None:
+        import torch._inductor.config  # noqa: F401  (read by _frozen; imported here, not by every decode)
+        import torch.fx.experimental._config  # noqa: F401
+
+        super().__init__(model)
+        self._compiled = torch.compile(self._decoder, options=COMPILE_OPTIONS)
+        # Inductor's own use of a deprecated storage API, once per benchmarked product.
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module=r"torch\._inductor\.")
+        # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+
+    def _layers_for(self, state: IncrementalState) -> Callable:
+        if state.length < self._FIRST_COMPILED_POSITION:
+            return self._decoder
+        # Room for this position and one more: the cache never grows inside the graph, and the
+        # filled prefix never spans a whole buffer (a view of all of it would be another graph).
+        state.reserve(state.length + 2)
+        return self._frozen
+
+    def _frozen(self, x: torch.Tensor, state: IncrementalState, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The compiled layers, with two settings that torch.compile reads when it traces (so not
+        from ``options``) set while they run, and put back after for any other compiled code in the
+        process (~10 us a step): inductor's freezing (the weights become constants only then), and
+        no duck sizing (sizes that happen to be equal, 4 sentences and 4 heads, would be made one
+        symbol, and another graph compiled when they differ)."""
+        # Sizes that vary (rows, cached and source positions) are symbolic in the first graph
+        # already, not constants that a later batch recompiles for (~0.3 us a tensor).
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        if mask is not None:
+            torch._dynamo.maybe_mark_dynamic(mask, [0, 2])
+        for t, dims in state.varying_sizes():
+            torch._dynamo.maybe_mark_dynamic(t, dims)
+        inductor, shapes = torch._inductor.config, torch.fx.experimental._config
+        before = inductor.freezing, shapes.use_duck_shape
+        inductor.freezing, shapes.use_duck_shape = True, False
+        try:
+            return self._compiled(x, state, mask)
+        finally:
+            inductor.freezing, shapes.use_duck_shape = before
+
+
+def compile_decoder_step(model: EncoderDecoder) -> CompiledDecoderStep:
+    """Give ``model`` a compiled decoder step, which ``decoder_step(model)`` returns from now on.
+    Raises ValueError for a model the flat step does not compute (see DecoderStep)."""
+    try:
+        if "decode" in vars(model):
+            raise _Unsupported("not the model's own decode")
+        step = CompiledDecoderStep(model)
+    except _Unsupported as e:
+        raise ValueError(f"a compiled decoder step cannot run this model: {e}") from None
+    model.compiled_decoder_step = step
+    return step
+
+
 def decoder_step(model: nn.Module) -> Step:
-    """The step function decoding runs: a ``DecoderStep`` where it computes what ``model.decode``
-    does, else ``model.decode`` itself (the last position's logits)."""
+    """The step function decoding runs: the model's compiled step if it has one
+    (``compile_decoder_step``), a ``DecoderStep`` where it computes what ``model.decode`` does,
+    else ``model.decode`` itself (the last position's logits)."""
+    compiled = getattr(model, "compiled_decoder_step", None)
+    if compiled is not None:
+        return compiled
     try:
         if not isinstance(model, EncoderDecoder) or "decode" in vars(model):
             raise _Unsupported("not the model's own decode")

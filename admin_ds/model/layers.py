@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +134,29 @@ class IncrementalState:
         bufs[0].narrow(2, start, end - start).copy_(k)  # narrow + copy_: ~3x less overhead than
         bufs[1].narrow(2, start, end - start).copy_(v)  # slice assignment, at every decoding step
         return bufs[0].narrow(2, 0, end), bufs[1].narrow(2, 0, end)
+
+    def reserve(self, end: int) -> None:
+        """Room for ``end`` positions in every self-attention cache, grown now rather than in a
+        later ``append``: decoding's compiled step (inference/step.py) then never grows it inside
+        its graph, where each growth would be a graph of its own."""
+        for bufs in self._self.values():
+            if end > bufs[0].size(2):
+                cap = max(end, 2 * bufs[0].size(2))
+                grown = [b.new_empty(*b.shape[:2], cap, b.size(3)) for b in bufs[:2]]
+                grown[0][:, :, :self.length] = bufs[0][:, :, :self.length]
+                grown[1][:, :, :self.length] = bufs[1][:, :, :self.length]
+                bufs[:] = grown + [None, None]
+
+    def varying_sizes(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Every cached tensor with its dimensions whose size changes from one decoding step or
+        batch to the next: self-attention (rows, capacity), encoder keys (sentences, source length)
+        and values (sentences, source length)."""
+        for bufs in self._self.values():
+            yield bufs[0], (0, 2)
+            yield bufs[1], (0, 2)
+        for k, v in self._encoder.values():
+            yield k, (0, k.dim() - 1)
+            yield v, (0, v.dim() - 2)
 
     def encoder_kv(self, key: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         return self._encoder.get(key)
