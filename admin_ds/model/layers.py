@@ -124,13 +124,11 @@ class IncrementalState:
         views of all keys and values so far, (rows, H, length + T, Dh)."""
         start, end = self.length, self.length + k.size(2)
         bufs = self._self.get(key)
-        if bufs is None or end > bufs[0].size(2):
-            cap = max(end, min(self.capacity, 64)) if bufs is None else max(end, 2 * bufs[0].size(2))
-            grown = [k.new_empty(k.size(0), k.size(1), cap, k.size(3)) for _ in range(2)]
-            if bufs is not None:
-                grown[0][:, :, :start] = bufs[0][:, :, :start]
-                grown[1][:, :, :start] = bufs[1][:, :, :start]
-            bufs = self._self[key] = grown + [None, None]
+        if bufs is None:
+            cap = max(end, min(self.capacity, 64))
+            bufs = self._self[key] = [k.new_empty(k.size(0), k.size(1), cap, k.size(3)) for _ in range(2)] + [None, None]
+        elif end > bufs[0].size(2):
+            self._grow(bufs, end)
         bufs[0].narrow(2, start, end - start).copy_(k)  # narrow + copy_: ~3x less overhead than
         bufs[1].narrow(2, start, end - start).copy_(v)  # slice assignment, at every decoding step
         return bufs[0].narrow(2, 0, end), bufs[1].narrow(2, 0, end)
@@ -141,11 +139,16 @@ class IncrementalState:
         its graph, where each growth would be a graph of its own."""
         for bufs in self._self.values():
             if end > bufs[0].size(2):
-                cap = max(end, 2 * bufs[0].size(2))
-                grown = [b.new_empty(*b.shape[:2], cap, b.size(3)) for b in bufs[:2]]
-                grown[0][:, :, :self.length] = bufs[0][:, :, :self.length]
-                grown[1][:, :, :self.length] = bufs[1][:, :, :self.length]
-                bufs[:] = grown + [None, None]
+                self._grow(bufs, end)
+
+    def _grow(self, bufs: list, end: int) -> None:
+        """A cache's buffers (in place in ``bufs``) at least doubled, to hold ``end`` positions;
+        the filled prefix copied over."""
+        cap, n = max(end, 2 * bufs[0].size(2)), self.length
+        grown = [b.new_empty(*b.shape[:2], cap, b.size(3)) for b in bufs[:2]]
+        grown[0][:, :, :n] = bufs[0][:, :, :n]
+        grown[1][:, :, :n] = bufs[1][:, :, :n]
+        bufs[:] = grown + [None, None]
 
     def varying_sizes(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
         """Every cached tensor with its dimensions whose size changes from one decoding step or
