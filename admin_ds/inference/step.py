@@ -224,10 +224,12 @@ class CompiledDecoderStep(DecoderStep):
     once, and the operators between them fused, so a step costs little beyond streaming the
     weights. CPU, float32, inference only: the weights are compiled in as constants.
 
-    The first call for a shape compiles (a minute for a base model on two cores; inductor caches
-    the result on disk, so later processes take seconds). Shapes that change (rows as sentences
-    finish, the number of cached positions, the source length) are compiled once more as symbolic
-    sizes, not at every value. Measured against DecoderStep and CTranslate2: BENCHMARKS.md."""
+    The first call compiles (40-70 s per kind of search for a base model on two cores; inductor
+    keeps a cache on disk for later processes). Sizes that vary (rows as sentences finish, cached
+    and source positions) are symbolic from the first graph; the position count, a Python int, is
+    a constant in the first graph and symbolic from the second. A greedy and a beam search, one
+    sentence or many, then make a handful of graphs, not one per shape. Measured against
+    DecoderStep and CTranslate2: BENCHMARKS.md."""
 
     # One graph for every batch: with or without source padding alike (a mask of zeros is free
     # inside the graph), and the positions from the third on (torch.compile makes a size or count of
