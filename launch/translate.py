@@ -17,7 +17,8 @@ small row counts); --plain-linear decodes without that.
 per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
 (BENCHMARKS.md: speed and the BLEU change). --compile (CPU, fp32) runs each decoder step as one
 graph compiled by torch.compile (admin_ds/inference/step.py): fastest at a few sentences per batch,
-after a minute or more of compilation at the start (cached on disk for the next run). On a CPU, glibc malloc keeps freed memory for the next
+after a minute or more of compilation at the start (cached on disk for the next run).
+On a CPU, glibc malloc keeps freed memory for the next
 batch (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
@@ -76,8 +77,8 @@ def parse_args(argv=None):
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
     if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
         p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
-    if args.compile and (args.dtype != "fp32" or args.int8 or args.device == "cuda"):
-        p.error("--compile compiles a CPU fp32 decoder step: drop --dtype, --int8 and --device cuda")
+    if args.compile and (args.dtype != "fp32" or args.int8 or args.plain_linear or args.device == "cuda"):
+        p.error("--compile compiles a CPU fp32 decoder step: drop --dtype, --int8, --plain-linear and --device cuda")
     return args
 
 
