@@ -802,8 +802,9 @@ def test_compiled_decoder_step_computes_what_model_decode_computes():
     products over weights frozen in at compile time; the cache grown outside the graph; sizes
     marked symbolic) against model.decode on an Admin model: logits of three beams per sentence,
     reordered between steps, over sources of mixed lengths, the cache grown from 2 positions; then
-    greedy and beam search (other graphs: one hypothesis per sentence, then four) against the
-    flat step's, with their scores. Compiling takes a minute here; it is done once."""
+    beam search (sentences finishing and leaving the batch) against the flat step's, with its
+    scores. Compiling takes a minute here; it is done once. (Greedy, one hypothesis per sentence,
+    is one more graph, a minute more: bench/decode.py --compile checks its output.)"""
     from torch._dynamo.utils import counters
 
     from admin_ds.inference.packed import optimize_for_decoding
@@ -827,7 +828,6 @@ def test_compiled_decoder_step_computes_what_model_decode_computes():
 
     many, _ = sources(21, 10)
     kw = dict(max_len_a=1.0, max_len_b=2)
-    assert greedy(compiled, many, **kw) == greedy(flat, many, **kw)
     got, want = (beam_search(m, many, beam=4, nbest=2, **kw) for m in (compiled, flat))
     assert [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in want]
     assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
