@@ -16,11 +16,12 @@ dim, H heads, Dh = D / H, V vocabulary; n target positions decoded so far, this 
     x (R, D) ─┬─ qkv ─ [k, v -> state] ─ softmax(q k^T / sqrt(Dh)) v ─ out ─┐
               └───────────────────── scale * x ─────────────────────────(+)── LN ──> (Post-LN)
 
-``model.decode`` stays the reference: the first step (it computes each layer's encoder keys and
-values into ``state``), several new positions at once, a model in training mode, a residual with a
-profiling recorder attached, a residual other than ``scale * x + y``, a norm other than LayerNorm,
-and a model whose ``decode`` was replaced on the instance all go through it. tests/test_decode.py
-checks that the two compute the same logits and translations.
+The first step of a batch also computes each layer's encoder keys and values into ``state``
+(``MultiheadAttention.cache_encoder_kv``, as ``model.decode`` does). ``model.decode`` stays the
+reference: several new positions at once, a model in training mode, a residual with a profiling
+recorder attached, a residual other than ``scale * x + y``, a norm other than LayerNorm, and a
+model whose ``decode`` was replaced on the instance all go through it. tests/test_decode.py checks
+that the two compute the same logits and translations.
 
 ``CompiledDecoderStep`` (translate.py --compile) runs the same loop as graphs compiled by
 torch.compile: what is left of a step in eager PyTorch besides streaming the weights, ~35 operator
@@ -132,15 +133,18 @@ class DecoderStep:
         # call (1.7 against 0.65 us a scaling, 12 a step of a 6-layer decoder); the same products.
         self.query_scale = torch.tensor((model.cfg.model_dim // self.heads) ** -0.5)
         self.layers = [_layer_of(layer) for layer in model.decoder_layers]
+        self.encoder_attentions = [layer.encoder_attn for layer in model.decoder_layers]
         self.final_norm = None if model.decoder_layer_norm is None else _norm_of(model.decoder_layer_norm)
         self._pad_seen: Optional[torch.Tensor] = None  # the last src_pad, and the mask made of it
         self._mask: Optional[torch.Tensor] = None
 
     def __call__(self, tokens: torch.Tensor, enc: torch.Tensor, src_pad: torch.Tensor,
                  state: IncrementalState) -> torch.Tensor:
-        first = self.layers and state.encoder_kv(self.layers[0].cross_key) is None
-        if first or tokens.size(1) != 1 or self.model.training:
+        if tokens.size(1) != 1 or self.model.training:
             return self.model.decode(tokens, enc, src_pad, state)[:, -1]
+        if self.layers and state.encoder_kv(self.layers[0].cross_key) is None:  # a new batch
+            for attention in self.encoder_attentions:
+                attention.cache_encoder_kv(enc, src_pad, state)
         if src_pad is not self._pad_seen:  # (b * H, 1, S) for the 3-D products; no padding: no mask
             b, s = src_pad.shape
             self._pad_seen = src_pad
@@ -148,13 +152,13 @@ class DecoderStep:
                           if self.always_mask or bool(src_pad.any()) else None)
         rows = tokens.size(0)
         x = self.model.embed_target(tokens, state.length).view(rows, -1)
-        logits = self._layers_for(state)(x, state, self._mask)
+        logits = self._layers_for(x, state)(x, state, self._mask)
         state.length += 1
         return logits
 
     always_mask = False  # a mask also where the source has no padding
 
-    def _layers_for(self, state: IncrementalState) -> Callable:
+    def _layers_for(self, x: torch.Tensor, state: IncrementalState) -> Callable:
         return self._decoder
 
     def _decoder(self, x: torch.Tensor, state: IncrementalState, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -224,18 +228,17 @@ class CompiledDecoderStep(DecoderStep):
     once, and the operators between them fused, so a step costs little beyond streaming the
     weights. CPU, float32, inference only: the weights are compiled in as constants.
 
-    The first call compiles (40-70 s per kind of search for a base model on two cores; inductor
-    keeps a cache on disk for later processes). Sizes that vary (rows as sentences finish, cached
-    and source positions) are symbolic from the first graph; the position count, a Python int, is
-    a constant in the first graph and symbolic from the second. A greedy and a beam search, one
-    sentence or many, then make a handful of graphs, not one per shape. Measured against
-    DecoderStep and CTranslate2: BENCHMARKS.md."""
+    The first calls compile (about a minute per kind of search for a base model on two cores;
+    inductor keeps a cache on disk for later processes). Sizes that vary (rows as sentences finish,
+    cached and source positions) are symbolic from the first graph. The position count, a Python
+    int, makes two graphs: the first position (nothing cached; torch.compile makes a count of 0 a
+    constant) and every later one. A greedy and a beam search, one sentence or many, then make six
+    graphs, not one per shape. Measured against DecoderStep and CTranslate2:
+    BENCHMARKS.md."""
 
-    # One graph for every batch: with or without source padding alike (a mask of zeros is free
-    # inside the graph), and the positions from the third on (torch.compile makes a size or count of
-    # 0 or 1 a constant, so the second position, with one cached, would be a graph of its own).
+    # One graph for every batch, with or without source padding alike (a mask of zeros is free
+    # inside the graph).
     always_mask = True
-    _FIRST_COMPILED_POSITION = 2
 
     def __init__(self, model: EncoderDecoder) -> None:
         import torch._inductor.config  # noqa: F401  (read by _frozen; imported here, not by every decode)
@@ -248,9 +251,11 @@ class CompiledDecoderStep(DecoderStep):
         # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
 
-    def _layers_for(self, state: IncrementalState) -> Callable:
-        if state.length < self._FIRST_COMPILED_POSITION:
-            return self._decoder
+    def _layers_for(self, x: torch.Tensor, state: IncrementalState) -> Callable:
+        if state.length == 0:  # the caches made here, not inside the graph
+            like = x.new_empty(x.size(0), self.heads, 0, x.size(1) // self.heads)
+            for layer in self.layers:
+                state.allocate(layer.self_key, like, 2)
         # Room for this position and one more: the cache never grows inside the graph, and the
         # filled prefix never spans a whole buffer (a view of all of it would be another graph).
         state.reserve(state.length + 2)

@@ -125,13 +125,20 @@ class IncrementalState:
         start, end = self.length, self.length + k.size(2)
         bufs = self._self.get(key)
         if bufs is None:
-            cap = max(end, min(self.capacity, 64))
-            bufs = self._self[key] = [k.new_empty(k.size(0), k.size(1), cap, k.size(3)) for _ in range(2)] + [None, None]
+            bufs = self.allocate(key, k, end)
         elif end > bufs[0].size(2):
             self._grow(bufs, end)
         bufs[0].narrow(2, start, end - start).copy_(k)  # narrow + copy_: ~3x less overhead than
         bufs[1].narrow(2, start, end - start).copy_(v)  # slice assignment, at every decoding step
         return bufs[0].narrow(2, 0, end), bufs[1].narrow(2, 0, end)
+
+    def allocate(self, key: int, like: torch.Tensor, end: int) -> list:
+        """Empty buffers for ``key``'s self-attention cache, before its first ``append``: keys and
+        values shaped as ``like`` (rows, H, T, Dh), with room for ``end`` positions or more."""
+        cap = max(end, min(self.capacity, 64))
+        bufs = self._self[key] = [like.new_empty(like.size(0), like.size(1), cap, like.size(3))
+                                  for _ in range(2)] + [None, None]
+        return bufs
 
     def reserve(self, end: int) -> None:
         """Room for ``end`` positions in every self-attention cache, grown now rather than in a
@@ -277,21 +284,27 @@ class MultiheadAttention(nn.Module):
         out = self._attend(q, k.transpose(-1, -2), v, hidden)
         return self.out_proj(out.transpose(1, 2).reshape(rows, t, d))
 
+    def cache_encoder_kv(self, memory: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                         state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
+        """This encoder-attention's keys and values of ``memory`` (B, S, D), computed once per batch
+        and stored in ``state``: (B, H, Dh, S) and (B, H, S, Dh), one row per sentence, contiguous
+        so that every step's products read them in place."""
+        if key_padding_mask is not None and bool(key_padding_mask.any()):
+            real = Unpadded(key_padding_mask)  # padding keys are masked: skip their products
+            k, v = (real.pad(proj(real.unpad(memory))) for proj in (self.k_proj, self.v_proj))
+        else:
+            k, v = self.k_proj(memory), self.v_proj(memory)
+        # Keys stored transposed: a batched product with contiguous (Dh, S) matrices is ~2x
+        # faster than one that reads (S, Dh) matrices transposed.
+        cached = self._heads(k).transpose(2, 3).contiguous(), self._heads(v).contiguous()
+        state.set_encoder_kv(id(self), *cached)
+        return cached
+
     def _encoder_attention_step(self, query: torch.Tensor, memory: torch.Tensor,
                                 key_padding_mask: Optional[torch.Tensor],
                                 state: IncrementalState) -> torch.Tensor:
         cached = state.encoder_kv(id(self))
-        if cached is None:  # contiguous, so every step's products read them in place
-            if key_padding_mask is not None and bool(key_padding_mask.any()):
-                real = Unpadded(key_padding_mask)  # padding keys are masked: skip their products
-                k, v = (real.pad(proj(real.unpad(memory))) for proj in (self.k_proj, self.v_proj))
-            else:
-                k, v = self.k_proj(memory), self.v_proj(memory)
-            # Keys stored transposed: a batched product with contiguous (Dh, S) matrices is ~2x
-            # faster than one that reads (S, Dh) matrices transposed.
-            cached = self._heads(k).transpose(2, 3).contiguous(), self._heads(v).contiguous()
-            state.set_encoder_kv(id(self), *cached)
-        k_t, v = cached  # (B, H, Dh, S) and (B, H, S, Dh), one row per sentence
+        k_t, v = self.cache_encoder_kv(memory, key_padding_mask, state) if cached is None else cached
         rows, t, d = query.shape
         b = k_t.size(0)
         if rows % b:
