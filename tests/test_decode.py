@@ -803,8 +803,9 @@ def test_compiled_decoder_step_computes_what_model_decode_computes():
     marked symbolic) against model.decode on an Admin model: logits of three beams per sentence,
     reordered between steps, over sources of mixed lengths, the cache grown from 2 positions; then
     beam search (sentences finishing and leaving the batch) against the flat step's, with its
-    scores. Compiling takes a minute here; it is done once. (Greedy, one hypothesis per sentence,
-    is one more graph, a minute more: bench/decode.py --compile checks its output.)"""
+    scores. Every position runs compiled, the first ones included. Compiling takes one to two
+    minutes here; it is done once. (Greedy, one hypothesis per sentence, is two more graphs, a
+    minute more: bench/decode.py --compile checks its output.)"""
     from torch._dynamo.utils import counters
 
     from admin_ds.inference.packed import optimize_for_decoding
