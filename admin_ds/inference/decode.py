@@ -138,6 +138,14 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, idx
 
 
+def _encode(model, step: Callable, src: torch.Tensor, state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoder output and padding mask of ``src``, padding skipped: by the decoder step where
+    it has an encoder of its own (step.CompiledDecoderStep, which also caches the encoder keys and
+    values in ``state``), else by the model."""
+    encode = getattr(step, "encode", None)
+    return encode(src, state) if encode is not None else model.encode(src, skip_padding=True)
+
+
 def _prepare(model, src_tokens: torch.Tensor) -> torch.Tensor:
     src = torch.as_tensor(src_tokens)
     if src.dim() == 1:
@@ -159,9 +167,9 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
         return []
     max_lens = _max_lens(model, src, max_len_a, max_len_b)
     max_len, min_max_len = (int(v) for v in torch.stack([max_lens.max(), max_lens.min()]).tolist())
-    enc, src_pad = model.encode(src, skip_padding=True)
     state = IncrementalState(capacity=max_len + 1)
     step_logits = decoder_step(model)
+    enc, src_pad = _encode(model, step_logits, src, state)
     out = torch.full((B, max_len + 1), pad, dtype=torch.long, device=src.device)
     orig = torch.arange(B, device=src.device)
     cur = torch.full((B, 1), eos, dtype=torch.long, device=src.device)
@@ -270,9 +278,9 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
 
     # One encoder row per live sentence throughout: the K rows of a sentence's beams are adjacent
     # and share its encoder output (see MultiheadAttention._encoder_attention_step).
-    enc, src_pad = model.encode(src, skip_padding=True)
     state = IncrementalState(capacity=max_len + 1)
     step_logits = decoder_step(model)
+    enc, src_pad = _encode(model, step_logits, src, state)
 
     # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
     # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.

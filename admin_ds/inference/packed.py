@@ -333,10 +333,9 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compil
     a step's Q, K and V, and a tied output projection gets its own copy of the embedding matrix.
     fp32 elsewhere (a GPU, bf16): unchanged; int8 elsewhere: refused.
 
-    ``compile_step`` (CPU, fp32; translate.py --compile): the decoder step's products stay Linear
-    layers (Q, K and V in one) and the model gets a compiled decoder step
-    (step.compile_decoder_step), which generates its own kernels for them; the encoder's products
-    and the first step's are packed as above.
+    ``compile_step`` (CPU, fp32; translate.py --compile): every product stays a Linear layer (a
+    step's Q, K and V in one) and the model gets a compiled decoder step and encoder
+    (step.compile_decoder_step), which generate their own kernels for them.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown decoding precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -347,7 +346,7 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compil
         where = f"{precision} on {param.device.type} {str(param.dtype).replace('torch.', '')}"
         raise ValueError(f"a compiled decoder step decodes on the CPU in float32, not {where}")
     if compile_step:  # the weights must not require gradients to be compiled in as constants
-        _pack(model.requires_grad_(False), PackedLinear if _packing_works() else None, compile_step=True)
+        _pack(model.requires_grad_(False), None, compile_step=True)
         compile_decoder_step(model)
         return model
     if precision == "int8":

@@ -17,7 +17,8 @@ dim, H heads, Dh = D / H, V vocabulary; n target positions decoded so far, this 
               └───────────────────── scale * x ─────────────────────────(+)── LN ──> (Post-LN)
 
 The first step of a batch also computes each layer's encoder keys and values into ``state``
-(``MultiheadAttention.cache_encoder_kv``, as ``model.decode`` does). ``model.decode`` stays the
+(``MultiheadAttention.cache_encoder_kv``, as ``model.decode`` does), which the step reads stacked,
+the layer first (``IncrementalState.set_encoder_stack``). ``model.decode`` stays the
 reference: several new positions at once, a model in training mode, a residual with a profiling
 recorder attached, a residual other than ``scale * x + y``, a norm other than LayerNorm, and a
 model whose ``decode`` was replaced on the instance all go through it. tests/test_decode.py checks
@@ -26,8 +27,10 @@ that the two compute the same logits and translations.
 ``CompiledDecoderStep`` (translate.py --compile) runs the same loop as graphs compiled by
 torch.compile: what is left of a step in eager PyTorch besides streaming the weights, ~35 operator
 calls a layer and oneDNN's ~15 us fixed cost per product, goes, and the products run as C++
-kernels generated for their shapes. A minute or more of compilation per process buys ~2x at one
-sentence (BENCHMARKS.md).
+kernels generated for their shapes. It also compiles the encoder with every layer's encoder keys
+and values, those as one product (``encode``, which the searches call in place of
+``model.encode``). A minute or more of compilation per process buys ~2x at one sentence
+(BENCHMARKS.md).
 
 This file imports torch and model.py only.
 """
@@ -41,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from admin_ds.model.layers import DecoderLayer, IncrementalState
+from admin_ds.model.layers import DecoderLayer, IncrementalState, Unpadded
 from admin_ds.model.residual import OmegaResidual, PlainResidual, ScaledResidual
 from admin_ds.model.transformer import EncoderDecoder
 
@@ -64,8 +67,7 @@ class _Norm(NamedTuple):
 
 class _Layer(NamedTuple):
     """What one decoder layer's step reads: its modules and tensors, in forward order."""
-    self_key: int  # the IncrementalState keys of its two attentions
-    cross_key: int
+    index: int  # its layer in the caches' stacks
     # The products: Linear, PackedLinear or Int8Linear (packed.py), each (N, in) -> (N, out).
     qkv: Optional[Product]  # one product for Q, K and V (packed.py), or None: three
     q: Product
@@ -97,7 +99,7 @@ def _direct(module: Optional[nn.Module]):
     return module.forward
 
 
-def _layer_of(layer: DecoderLayer) -> _Layer:
+def _layer_of(index: int, layer: DecoderLayer) -> _Layer:
     sa, ca, ffn = layer.self_attn, layer.encoder_attn, layer.ffn
     residuals = (layer.self_attn_residual, layer.encoder_attn_residual, layer.ffn_residual)
     if any(r.recorder is not None for r in residuals):
@@ -105,10 +107,29 @@ def _layer_of(layer: DecoderLayer) -> _Layer:
     if not all(isinstance(r, (PlainResidual, OmegaResidual, ScaledResidual)) for r in residuals):
         raise _Unsupported("a residual other than scale * x + y")
     products = (sa.qkv_proj, sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, ca.q_proj, ca.out_proj, ffn.fc1)
-    return _Layer(id(sa), id(ca), *map(_direct, products), ffn.activation, _direct(ffn.fc2),
+    return _Layer(index, *map(_direct, products), ffn.activation, _direct(ffn.fc2),
                   tuple(_norm_of(n) for n in (layer.self_attn_layer_norm, layer.encoder_attn_layer_norm,
                                               layer.final_layer_norm)),
                   tuple(r.shortcut_scale() for r in residuals))
+
+
+class _Caches(NamedTuple):
+    """What a step reads of its IncrementalState: each layer's self-attention key and value buffers
+    (R, H, capacity, Dh) with ``length`` positions filled and room for one more, and the encoder
+    keys (L, b, H, Dh, S) and values (L, b, H, S, Dh) stacked, the layer first."""
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    encoder_keys: torch.Tensor
+    encoder_values: torch.Tensor
+    length: int
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new position's k, v (R, H, 1, Dh) written after the filled ones; all keys and values
+        of ``layer`` so far, (R, H, length + 1, Dh)."""
+        n, keys, values = self.length, self.keys[layer], self.values[layer]
+        keys.narrow(2, n, 1).copy_(k)
+        values.narrow(2, n, 1).copy_(v)
+        return keys.narrow(2, 0, n + 1), values.narrow(2, 0, n + 1)
 
 
 def _residual(x: torch.Tensor, y: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
@@ -132,8 +153,13 @@ class DecoderStep:
         # 1 / sqrt(Dh) as a tensor made once: a Python number is made into a new tensor at every
         # call (1.7 against 0.65 us a scaling, 12 a step of a 6-layer decoder); the same products.
         self.query_scale = torch.tensor((model.cfg.model_dim // self.heads) ** -0.5)
-        self.layers = [_layer_of(layer) for layer in model.decoder_layers]
+        if not len(model.decoder_layers):
+            raise _Unsupported("no decoder layers")
+        self.layers = [_layer_of(i, layer) for i, layer in enumerate(model.decoder_layers)]
         self.encoder_attentions = [layer.encoder_attn for layer in model.decoder_layers]
+        # The IncrementalState keys of each layer's two attentions, in layer order.
+        self.self_keys = tuple(id(layer.self_attn) for layer in model.decoder_layers)
+        self.cross_keys = tuple(id(attention) for attention in self.encoder_attentions)
         self.final_norm = None if model.decoder_layer_norm is None else _norm_of(model.decoder_layer_norm)
         self._pad_seen: Optional[torch.Tensor] = None  # the last src_pad, and the mask made of it
         self._mask: Optional[torch.Tensor] = None
@@ -142,9 +168,9 @@ class DecoderStep:
                  state: IncrementalState) -> torch.Tensor:
         if tokens.size(1) != 1 or self.model.training:
             return self.model.decode(tokens, enc, src_pad, state)[:, -1]
-        if self.layers and state.encoder_kv(self.layers[0].cross_key) is None:  # a new batch
-            for attention in self.encoder_attentions:
-                attention.cache_encoder_kv(enc, src_pad, state)
+        encoder = state.encoder_stack(self.cross_keys)
+        if encoder is None:  # a new batch
+            encoder = self._cache_encoder(enc, src_pad, state)
         if src_pad is not self._pad_seen:  # (b * H, 1, S) for the 3-D products; no padding: no mask
             b, s = src_pad.shape
             self._pad_seen = src_pad
@@ -152,47 +178,63 @@ class DecoderStep:
                           if self.always_mask or bool(src_pad.any()) else None)
         rows = tokens.size(0)
         x = self.model.embed_target(tokens, state.length).view(rows, -1)
-        logits = self._layers_for(x, state)(x, state, self._mask)
+        like = x.new_empty(rows, self.heads, 0, x.size(1) // self.heads)
+        caches = _Caches(*state.buffers(self.self_keys, like, state.length + self.room), *encoder, state.length)
+        logits = self._layers(x, caches, self._mask)
         state.length += 1
         return logits
 
     always_mask = False  # a mask also where the source has no padding
+    room = 1  # positions the self-attention caches hold beyond the filled ones before a step
 
-    def _layers_for(self, x: torch.Tensor, state: IncrementalState) -> Callable:
-        return self._decoder
+    def encode(self, src_tokens: torch.Tensor, state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's output (B, S, D) and padding mask (B, S) of ``src_tokens`` (B, S), padding
+        skipped (``model.encode``); the first step caches the encoder keys and values."""
+        return self.model.encode(src_tokens, skip_padding=True)
 
-    def _decoder(self, x: torch.Tensor, state: IncrementalState, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def _cache_encoder(self, enc: torch.Tensor, src_pad: torch.Tensor,
+                       state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each layer's encoder keys and values of ``enc`` into ``state``, stacked."""
+        for attention in self.encoder_attentions:
+            attention.cache_encoder_kv(enc, src_pad, state)
+        return state.encoder_stack(self.cross_keys)
+
+    def _layers(self, x: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return self._decoder(x, caches, mask)
+
+    def _decoder(self, x: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """Every decoder layer on x (R, D), the new position's embedding, and the output projection."""
         for layer in self.layers:
             (n1, n2, n3), (s1, s2, s3) = layer.norms, layer.scales
             if self.post:  # LN(scale * x + f(x)), layers._SubLayers
-                x = _layer_norm(_residual(x, self._self_attention(layer, x, state), s1), n1)
-                x = _layer_norm(_residual(x, self._encoder_attention(layer, x, state, mask), s2), n2)
+                x = _layer_norm(_residual(x, self._self_attention(layer, x, caches), s1), n1)
+                x = _layer_norm(_residual(x, self._encoder_attention(layer, x, caches, mask), s2), n2)
                 x = _layer_norm(_residual(x, layer.fc2(layer.activation(layer.fc1(x))), s3), n3)
             else:  # scale * x + f(LN(x))
-                x = _residual(x, self._self_attention(layer, _layer_norm(x, n1), state), s1)
-                x = _residual(x, self._encoder_attention(layer, _layer_norm(x, n2), state, mask), s2)
+                x = _residual(x, self._self_attention(layer, _layer_norm(x, n1), caches), s1)
+                x = _residual(x, self._encoder_attention(layer, _layer_norm(x, n2), caches, mask), s2)
                 h = _layer_norm(x, n3)
                 x = _residual(x, layer.fc2(layer.activation(layer.fc1(h))), s3)
         return self.model.project(_layer_norm(x, self.final_norm))
 
-    def _self_attention(self, layer: _Layer, x: torch.Tensor, state: IncrementalState) -> torch.Tensor:
+    def _self_attention(self, layer: _Layer, x: torch.Tensor, caches: _Caches) -> torch.Tensor:
         rows, d = x.shape
         h, dh = self.heads, d // self.heads
         if layer.qkv is not None:
             q, k, v = layer.qkv(x).view(rows, 3, h, 1, dh).unbind(1)
         else:
             q, k, v = (proj(x).view(rows, h, 1, dh) for proj in (layer.q, layer.k, layer.v))
-        k, v = state.append(layer.self_key, k, v)  # (R, H, n, Dh), views of the cache
+        k, v = caches.append(layer.index, k, v)  # (R, H, n, Dh), views of the cache
         n = k.size(2)
         # R * H products of one query with n keys (R and H merge without a copy in the cache).
         scores = torch.bmm(q.reshape(rows * h, 1, dh), k.reshape(rows * h, n, dh).transpose(1, 2))
         out = torch.bmm(self._softmax(scores.mul_(self.query_scale)), v.reshape(rows * h, n, dh))
         return layer.self_out(out.view(rows, d))
 
-    def _encoder_attention(self, layer: _Layer, x: torch.Tensor, state: IncrementalState,
+    def _encoder_attention(self, layer: _Layer, x: torch.Tensor, caches: _Caches,
                            mask: Optional[torch.Tensor]) -> torch.Tensor:
-        k_t, v = state.encoder_kv(layer.cross_key)  # (b, H, Dh, S), (b, H, S, Dh): one row per sentence
+        # (b, H, Dh, S), (b, H, S, Dh): one row per sentence
+        k_t, v = caches.encoder_keys[layer.index], caches.encoder_values[layer.index]
         rows, d = x.shape
         (b, h, dh, s), per = k_t.shape, rows // k_t.size(0)
         # A sentence's rows (its beams) are queries of that sentence: its keys are read once.
@@ -226,15 +268,17 @@ class CompiledDecoderStep(DecoderStep):
     """A ``DecoderStep`` whose layers and output projection run as one graph compiled by
     ``torch.compile`` (inductor): the step's products become C++ kernels over the weights packed
     once, and the operators between them fused, so a step costs little beyond streaming the
-    weights. CPU, float32, inference only: the weights are compiled in as constants.
+    weights. The encoder, with every decoder layer's encoder keys and values, is a graph too
+    (``encode``). CPU, float32, inference only: the weights are compiled in as constants.
 
     The first calls compile (about a minute per kind of search for a base model on two cores;
     inductor keeps a cache on disk for later processes). Sizes that vary (rows as sentences finish,
-    cached and source positions) are symbolic from the first graph. The position count, a Python
-    int, makes two graphs: the first position (nothing cached; torch.compile makes a count of 0 a
-    constant) and every later one. A greedy and a beam search, one sentence or many, then make six
-    graphs, not one per shape. Measured against DecoderStep and CTranslate2:
-    BENCHMARKS.md."""
+    cached and source positions, sentences) are symbolic from the first graph; torch.compile makes
+    a size or count of 0 or 1 a constant. So the position count, a Python int, makes three graphs
+    of a step (the first position, with nothing cached; the second; every later one), and one
+    sentence and several make two of the encoder. A greedy and a beam search, one sentence or
+    many, then make a dozen graphs or so, not one per shape. Measured against DecoderStep and
+    CTranslate2: BENCHMARKS.md."""
 
     # One graph for every batch, with or without source padding alike (a mask of zeros is free
     # inside the graph).
@@ -245,42 +289,104 @@ class CompiledDecoderStep(DecoderStep):
         import torch.fx.experimental._config  # noqa: F401
 
         super().__init__(model)
-        self._compiled = torch.compile(self._decoder, options=COMPILE_OPTIONS)
+        self.encoder_kv = _stacked_encoder_kv(self.encoder_attentions)
+        self._compiled = torch.compile(self._decoder_of, options=COMPILE_OPTIONS)
+        self._compiled_encoder = torch.compile(self._encoder, options=COMPILE_OPTIONS)
         # Inductor's own use of a deprecated storage API, once per benchmarked product.
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module=r"torch\._inductor\.")
         # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
 
-    def _layers_for(self, x: torch.Tensor, state: IncrementalState) -> Callable:
-        if state.length == 0:  # the caches made here, not inside the graph
-            like = x.new_empty(x.size(0), self.heads, 0, x.size(1) // self.heads)
-            for layer in self.layers:
-                state.allocate(layer.self_key, like, 2)
-        # Room for this position and one more: the cache never grows inside the graph, and the
-        # filled prefix never spans a whole buffer (a view of all of it would be another graph).
-        state.reserve(state.length + 2)
-        return self._frozen
+    # Room for this position and one more: the cache never grows inside the graph, and the filled
+    # prefix never spans a whole buffer (a view of all of it would be another graph).
+    room = 2
 
-    def _frozen(self, x: torch.Tensor, state: IncrementalState, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """The compiled layers, with two settings that torch.compile reads when it traces (so not
-        from ``options``) set while they run, and put back after for any other compiled code in the
-        process (~10 us a step): inductor's freezing (the weights become constants only then), and
-        no duck sizing (sizes that happen to be equal, 4 sentences and 4 heads, would be made one
-        symbol, and another graph compiled when they differ)."""
-        # Sizes that vary (rows, cached and source positions) are symbolic in the first graph
-        # already, not constants that a later batch recompiles for (~0.3 us a tensor).
+    def encode(self, src_tokens: torch.Tensor, state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder and every decoder layer's encoder keys and values (into ``state``) as one
+        compiled graph: padding skipped as ``model.encode`` skips it, with or without padding
+        alike (no padding: every position is real)."""
+        src_pad = src_tokens.eq(self.model.pad_idx)
+        index = (~src_pad).reshape(-1).nonzero().squeeze(1)
+        torch._dynamo.maybe_mark_dynamic(src_tokens, [0, 1])
+        torch._dynamo.maybe_mark_dynamic(src_pad, [0, 1])
+        torch._dynamo.maybe_mark_dynamic(index, 0)
+        enc, k, v = _frozen(self._compiled_encoder, src_tokens, src_pad, index)
+        state.set_encoder_stack(self.cross_keys, k, v)
+        return enc, src_pad
+
+    def _encoder(self, src_tokens: torch.Tensor, src_pad: torch.Tensor,
+                 index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        model, real = self.model, Unpadded(src_pad, index)
+        x = real.unpad(model.embed_source(src_tokens))
+        for layer in model.encoder_layers:
+            x = layer(x, src_pad, real)
+        if model.encoder_layer_norm is not None:
+            x = model.encoder_layer_norm(x)
+        return (real.pad(x), *self._encoder_stack(x, real))
+
+    def _encoder_stack(self, x: torch.Tensor, real: Unpadded) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's encoder keys (L, b, H, Dh, S) and values (L, b, H, S, Dh) of the real
+        encoder positions x (N, D), as one product; zero at padding (as cache_encoder_kv)."""
+        (b, s), d = real.pad_mask.shape, x.size(1)
+        kv = real.pad(self.encoder_kv(x)).view(b, s, len(self.layers), 2, self.heads, d // self.heads)
+        return kv[:, :, :, 0].permute(2, 0, 3, 4, 1).contiguous(), kv[:, :, :, 1].permute(2, 0, 3, 1, 4).contiguous()
+
+    def _cache_encoder(self, enc: torch.Tensor, src_pad: torch.Tensor,
+                       state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a batch did not begin with ``encode`` (eager: one product)."""
+        real = Unpadded(src_pad)
+        state.set_encoder_stack(self.cross_keys, *self._encoder_stack(real.unpad(enc), real))
+        return state.encoder_stack(self.cross_keys)
+
+    def _layers(self, x: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        # Sizes that vary (rows, cached and source positions, sentences) are symbolic in the first
+        # graph already, not constants that a later batch recompiles for (~0.3 us a tensor).
         torch._dynamo.maybe_mark_dynamic(x, 0)
-        if mask is not None:
-            torch._dynamo.maybe_mark_dynamic(mask, [0, 2])
-        for t, dims in state.varying_sizes():
-            torch._dynamo.maybe_mark_dynamic(t, dims)
-        inductor, shapes = torch._inductor.config, torch.fx.experimental._config
-        before = inductor.freezing, shapes.use_duck_shape
-        inductor.freezing, shapes.use_duck_shape = True, False
-        try:
-            return self._compiled(x, state, mask)
-        finally:
-            inductor.freezing, shapes.use_duck_shape = before
+        torch._dynamo.maybe_mark_dynamic(mask, [0, 2])
+        for t in (*caches.keys, *caches.values):
+            torch._dynamo.maybe_mark_dynamic(t, [0, 2])
+        torch._dynamo.maybe_mark_dynamic(caches.encoder_keys, [1, 4])
+        torch._dynamo.maybe_mark_dynamic(caches.encoder_values, [1, 3])
+        return _frozen(self._compiled, x, *caches, mask)
+
+    def _decoder_of(self, x: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    encoder_keys: torch.Tensor, encoder_values: torch.Tensor, length: int,
+                    mask: torch.Tensor) -> torch.Tensor:
+        """``_decoder`` with the caches as arguments, which the graph's guards check: lists of
+        tensors and an int, not the IncrementalState's dictionaries."""
+        return self._decoder(x, _Caches(keys, values, encoder_keys, encoder_values, length), mask)
+
+
+def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:
+    """One product for the encoder keys and values of every layer: (N, D) -> (N, L * 2 * D), layer
+    by layer keys then values. The layers' own K and V weights become views of its weight."""
+    projections = [p for a in attentions for p in (a.k_proj, a.v_proj)]
+    if not all(type(p) is nn.Linear and p.bias is not None for p in projections):
+        raise _Unsupported("encoder keys and values not computed by Linear layers with a bias")
+    d = projections[0].in_features
+    fused = nn.Linear(d, len(projections) * d).requires_grad_(False)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in projections]))
+        fused.bias.copy_(torch.cat([p.bias for p in projections]))
+    for i, p in enumerate(projections):
+        p.weight = nn.Parameter(fused.weight[i * d:(i + 1) * d], requires_grad=False)
+        p.bias = nn.Parameter(fused.bias[i * d:(i + 1) * d], requires_grad=False)
+    return fused
+
+
+def _frozen(compiled: Callable, *args):
+    """``compiled(*args)`` with two settings that torch.compile reads when it traces (so not from
+    ``options``) set while it runs, and put back after for any other compiled code in the process
+    (~10 us a call): inductor's freezing (the weights become constants only then), and no duck
+    sizing (sizes that happen to be equal, 4 sentences and 4 heads, would be made one symbol, and
+    another graph compiled when they differ)."""
+    inductor, shapes = torch._inductor.config, torch.fx.experimental._config
+    before = inductor.freezing, shapes.use_duck_shape
+    inductor.freezing, shapes.use_duck_shape = True, False
+    try:
+        return compiled(*args)
+    finally:
+        inductor.freezing, shapes.use_duck_shape = before
 
 
 def compile_decoder_step(model: EncoderDecoder) -> CompiledDecoderStep:

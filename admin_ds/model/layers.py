@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,10 @@ class IncrementalState:
     *sentence*: beam search keeps the ``rows / sentences`` hypotheses of a sentence in adjacent
     rows, and they all attend to the same copy.
 
+    A decoder step (inference/step.py) reads all layers' encoder keys and values as two stacks
+    with the layer first (``set_encoder_stack``; each module's entry is a view of its layer), so
+    a compiled step takes two tensors for them and ``reorder_encoder`` is two index_selects.
+
     ``reorder`` follows the search's choice of hypotheses (self-attention caches);
     ``reorder_encoder`` follows a change of the sentences in the batch (encoder-attention caches).
     Decoding is inference: gradients do not flow through a reorder.
@@ -118,6 +122,8 @@ class IncrementalState:
         self.capacity = max(1, int(capacity))
         self._self: dict[int, list[torch.Tensor]] = {}  # id(module) -> [k, v, spare k, spare v]
         self._encoder: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._encoder_stack: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._encoder_stack_keys: tuple[int, ...] = ()
 
     def append(self, key: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new positions k, v (rows, H, T, Dh) after ``self.length`` cached ones; returns
@@ -140,6 +146,16 @@ class IncrementalState:
                                   for _ in range(2)] + [None, None]
         return bufs
 
+    def buffers(self, keys: tuple[int, ...], like: torch.Tensor,
+                end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The self-attention key and value buffers of ``keys`` (rows, H, capacity, Dh), each with
+        room for ``end`` positions: allocated shaped as ``like`` (rows, H, T, Dh) where missing."""
+        for key in keys:
+            if key not in self._self:
+                self.allocate(key, like, end)
+        self.reserve(end)
+        return [self._self[key][0] for key in keys], [self._self[key][1] for key in keys]
+
     def reserve(self, end: int) -> None:
         """Room for ``end`` positions in every self-attention cache, grown now rather than in a
         later ``append``: decoding's compiled step (inference/step.py) then never grows it inside
@@ -157,22 +173,27 @@ class IncrementalState:
         grown[1][:, :, :n] = bufs[1][:, :, :n]
         bufs[:] = grown + [None, None]
 
-    def varying_sizes(self) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
-        """Every cached tensor with its dimensions whose size changes from one decoding step or
-        batch to the next: self-attention (rows, capacity), encoder keys (sentences, source length)
-        and values (sentences, source length)."""
-        for bufs in self._self.values():
-            yield bufs[0], (0, 2)
-            yield bufs[1], (0, 2)
-        for k, v in self._encoder.values():
-            yield k, (0, k.dim() - 1)
-            yield v, (0, v.dim() - 2)
-
     def encoder_kv(self, key: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         return self._encoder.get(key)
 
     def set_encoder_kv(self, key: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._encoder[key] = (k, v)
+
+    def set_encoder_stack(self, keys: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        """The encoder-attention keys and values of ``keys`` (one module per decoder layer), stacked:
+        (layers, b, H, Dh, S) and (layers, b, H, S, Dh)."""
+        self._encoder_stack, self._encoder_stack_keys = (k, v), keys
+        for i, key in enumerate(keys):
+            self._encoder[key] = (k[i], v[i])
+
+    def encoder_stack(self, keys: tuple[int, ...]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The stacked encoder keys and values of ``keys`` (``set_encoder_stack``), stacked now if
+        each module cached its own; None if they are not cached yet."""
+        if self._encoder_stack_keys != keys:
+            if not all(key in self._encoder for key in keys):
+                return None
+            self.set_encoder_stack(keys, *(torch.stack([self._encoder[key][j] for key in keys]) for j in (0, 1)))
+        return self._encoder_stack
 
     def reorder(self, order: torch.Tensor) -> None:
         """Row i of every self-attention cache becomes row ``order[i]``; only the filled prefix is
@@ -191,8 +212,12 @@ class IncrementalState:
 
     def reorder_encoder(self, order: torch.Tensor) -> None:
         """Row i of every encoder-attention cache becomes row ``order[i]`` (a sentence index)."""
+        if self._encoder_stack is not None:
+            self.set_encoder_stack(self._encoder_stack_keys, *(t.index_select(1, order) for t in self._encoder_stack))
+        stacked = set(self._encoder_stack_keys)
         for key, (k, v) in self._encoder.items():
-            self._encoder[key] = (k.index_select(0, order), v.index_select(0, order))
+            if key not in stacked:
+                self._encoder[key] = (k.index_select(0, order), v.index_select(0, order))
 
 
 class Unpadded:
@@ -204,9 +229,10 @@ class Unpadded:
     Sizes are read from the mask's shape, not kept as Python numbers, so a compiled layer that
     receives one sees symbolic sizes rather than a constant to recompile for at every shape."""
 
-    def __init__(self, pad_mask: torch.Tensor) -> None:
+    def __init__(self, pad_mask: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
         self.pad_mask = pad_mask
-        self.index = (~pad_mask).reshape(-1).nonzero().squeeze(1)  # (N,) into the flattened B * S
+        # (N,) into the flattened B * S; given, where it was found outside a compiled graph
+        self.index = (~pad_mask).reshape(-1).nonzero().squeeze(1) if index is None else index
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:  # (B, S, ...) -> (N, ...)
         return x.flatten(0, 1).index_select(0, self.index)
