@@ -803,7 +803,8 @@ def test_compiled_decoder_step_computes_what_model_decode_computes():
     marked symbolic) against model.decode on an Admin model: logits of three beams per sentence,
     reordered between steps, over sources of mixed lengths, the cache grown from 2 positions; then
     beam search (sentences finishing and leaving the batch) against the flat step's, with its
-    scores. Every position runs compiled, the first ones included. Compiling takes one to two
+    scores. Every position runs compiled, the first ones included; the logits read encoder keys and
+    values cached eagerly by the step, beam search those of the compiled encoder. Compiling takes one to two
     minutes here; it is done once. (Greedy, one hypothesis per sentence, is two more graphs, a
     minute more: bench/decode.py --compile checks its output.)"""
     from torch._dynamo.utils import counters
