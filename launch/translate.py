@@ -15,11 +15,11 @@ Intel CPUs MKL's packed GEMM for a decoder step's products; faster matrix produc
 small row counts); --plain-linear decodes without that.
 --int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
 per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
-(BENCHMARKS.md: speed and the BLEU change). --compile (CPU, fp32) runs each decoder step as one
-graph compiled by torch.compile (admin_ds/inference/step.py): fastest at a few sentences per batch,
-after a minute or more of compilation at the start (cached on disk for the next run).
-On a CPU, glibc malloc keeps freed memory for the next
-batch (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
+(BENCHMARKS.md: speed and the BLEU change). --compile (CPU, fp32) runs the encoder and each
+decoder step as graphs compiled by torch.compile (admin_ds/inference/step.py): fastest at a few
+sentences per batch, after a minute or more of compilation at the start (cached on disk for the
+next run). On a CPU, glibc malloc keeps freed memory for the next batch
+(admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--int8", action="store_true",
                    help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
     p.add_argument("--compile", action="store_true",
-                   help="CPU fp32: compile the decoder step with torch.compile (admin_ds/inference/step.py); "
+                   help="CPU fp32: compile the encoder and the decoder step with torch.compile (admin_ds/inference/step.py); "
                         "needs a C++ compiler, compiles for a minute or more first")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
