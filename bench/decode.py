@@ -89,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
+    p.add_argument("--append", action="store_true", help="add the report after those already in --out "
+                   "(default: replace the file)")
     return p.parse_args(argv)
 
 
@@ -406,7 +408,10 @@ def main(argv=None) -> int:
         report += "".join(f"| {name} | {v:.0%} |\n" for name, v in shares.items())
         report += "\nTop operators:\n\n```\n" + table + "\n```\n"
     print(report)
-    Path(args.out).write_text(report)
+    out = Path(args.out)
+    if args.append and out.is_file() and out.stat().st_size:
+        report = out.read_text(encoding="utf-8").rstrip("\n") + "\n\n---\n\n" + report
+    out.write_text(report, encoding="utf-8")
     return 0
 
 
