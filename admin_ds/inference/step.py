@@ -37,6 +37,7 @@ This file imports torch and model.py only.
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -176,11 +177,10 @@ class DecoderStep:
             self._pad_seen = src_pad
             self._mask = (src_pad[:, None, :].expand(b, self.heads, s).reshape(b * self.heads, 1, s)
                           if self.always_mask or bool(src_pad.any()) else None)
-        rows = tokens.size(0)
-        x = self.model.embed_target(tokens, state.length).view(rows, -1)
-        like = x.new_empty(rows, self.heads, 0, x.size(1) // self.heads)
+        weight = self.model.target_embedding.weight
+        like = weight.new_empty(tokens.size(0), self.heads, 0, weight.size(1) // self.heads)
         caches = _Caches(*state.buffers(self.self_keys, like, state.length + self.room), *encoder, state.length)
-        logits = self._layers(x, caches, self._mask)
+        logits = self._layers(tokens, caches, self._mask)
         state.length += 1
         return logits
 
@@ -199,11 +199,13 @@ class DecoderStep:
             attention.cache_encoder_kv(enc, src_pad, state)
         return state.encoder_stack(self.cross_keys)
 
-    def _layers(self, x: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        return self._decoder(x, caches, mask)
+    def _layers(self, tokens: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return self._decoder(tokens, caches, mask)
 
-    def _decoder(self, x: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """Every decoder layer on x (R, D), the new position's embedding, and the output projection."""
+    def _decoder(self, tokens: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The embedding of ``tokens`` (R, 1) at the new position, every decoder layer on it, and the
+        output projection."""
+        x = self.model.embed_target(tokens.view(-1, 1), caches.length).view(tokens.size(0), -1)
         for layer in self.layers:
             (n1, n2, n3), (s1, s2, s3) = layer.norms, layer.scales
             if self.post:  # LN(scale * x + f(x)), layers._SubLayers
@@ -293,9 +295,9 @@ class CompiledDecoderStep(DecoderStep):
 
         super().__init__(model)
         self.encoder_kv = _stacked_encoder_kv(self.encoder_attentions)
-        options = dict(COMPILE_OPTIONS, guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe)
-        self._compiled = torch.compile(self._decoder_of, options=options)
-        self._compiled_encoder = torch.compile(self._encoder, options=options)
+        options = dict(COMPILE_OPTIONS, guard_filter_fn=_argument_guards)
+        self._compiled = torch.compile(_own_code(self._decoder_of), options=options)
+        self._compiled_encoder = torch.compile(_own_code(self._encoder), options=options)
         # Inductor's own use of a deprecated storage API, once per benchmarked product.
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module=r"torch\._inductor\.")
         # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
@@ -342,23 +344,26 @@ class CompiledDecoderStep(DecoderStep):
         state.set_encoder_stack(self.cross_keys, *self._encoder_stack(real.unpad(enc), real))
         return state.encoder_stack(self.cross_keys)
 
-    def _layers(self, x: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
         # Sizes that vary (rows, cached and source positions, sentences) are symbolic in the first
         # graph already, not constants that a later batch recompiles for (~0.3 us a tensor).
-        torch._dynamo.maybe_mark_dynamic(x, 0)
+        # (R,) with unit stride: the searches pass a column of their (R, T) tokens, whose stride
+        # would change at every step (a guard that fails, another graph).
+        tokens = tokens.reshape(-1).clone(memory_format=torch.contiguous_format)
+        torch._dynamo.maybe_mark_dynamic(tokens, 0)
         torch._dynamo.maybe_mark_dynamic(mask, [0, 2])
         for t in (*caches.keys, *caches.values):
             torch._dynamo.maybe_mark_dynamic(t, [0, 2])
         torch._dynamo.maybe_mark_dynamic(caches.encoder_keys, [1, 4])
         torch._dynamo.maybe_mark_dynamic(caches.encoder_values, [1, 3])
-        return _frozen(self._compiled, x, *caches, mask)
+        return _frozen(self._compiled, tokens, *caches, mask)
 
-    def _decoder_of(self, x: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+    def _decoder_of(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                     encoder_keys: torch.Tensor, encoder_values: torch.Tensor, length: int,
                     mask: torch.Tensor) -> torch.Tensor:
         """``_decoder`` with the caches as arguments, which the graph's guards check: lists of
         tensors and an int, not the IncrementalState's dictionaries."""
-        return self._decoder(x, _Caches(keys, values, encoder_keys, encoder_values, length), mask)
+        return self._decoder(tokens, _Caches(keys, values, encoder_keys, encoder_values, length), mask)
 
 
 def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:
@@ -376,6 +381,25 @@ def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:
         p.weight = nn.Parameter(fused.weight[i * d:(i + 1) * d], requires_grad=False)
         p.bias = nn.Parameter(fused.bias[i * d:(i + 1) * d], requires_grad=False)
     return fused
+
+
+def _own_code(method: Callable) -> Callable:
+    """``method`` as a function with a code object of its own. torch.compile keeps a function's
+    graphs, and the guards that choose among them, on its code object: one per instance here, so
+    one step's graphs (its model's weights are constants in them) are never another's, without a
+    guard that tells the instances apart."""
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(own, method.__self__)
+
+
+def _argument_guards(entries: list) -> list[bool]:
+    """torch.compile's guard filter for CompiledDecoderStep's graphs: only the guards on the
+    arguments (shapes, strides, dtypes, the position count) and on global state are checked at each
+    call. What the graphs read of ``self`` (its layers, their modules and norms) is fixed when the
+    step is made, and the graphs belong to this instance alone (``_own_code``). A step of a base
+    decoder kept ~50 of its ~300 guards (BENCHMARKS.md)."""
+    return [not (e.name == "self" or e.name.startswith(("self.", "self["))) for e in entries]
 
 
 def _frozen(compiled: Callable, *args):
