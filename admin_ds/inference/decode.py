@@ -278,7 +278,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
 
     # One encoder row per live sentence throughout: the K rows of a sentence's beams are adjacent
     # and share its encoder output (see MultiheadAttention._encoder_attention_step).
-    state = IncrementalState(capacity=max_len + 1)
+    state = IncrementalState(capacity=max_len + 1, reorders_every_step=True)
     step_logits = decoder_step(model)
     enc, src_pad = _encode(model, step_logits, src, state)
 

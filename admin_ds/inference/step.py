@@ -117,19 +117,22 @@ def _layer_of(index: int, layer: DecoderLayer) -> _Layer:
 class _Caches(NamedTuple):
     """What a step reads of its IncrementalState: each layer's self-attention key and value buffers
     (R, H, capacity, Dh) with ``length`` positions filled and room for one more, and the encoder
-    keys (L, b, H, Dh, S) and values (L, b, H, S, Dh) stacked, the layer first."""
+    keys (L, b, H, Dh, S) and values (L, b, H, S, Dh) stacked, the layer first. Kept in place
+    (IncrementalState.keep_in_place): the buffers have P >= R rows, and ``origins`` (R, capacity)
+    holds the buffer row of each position of each row."""
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     encoder_keys: torch.Tensor
     encoder_values: torch.Tensor
     length: int
+    origins: Optional[torch.Tensor] = None
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new position's k, v (R, H, 1, Dh) written after the filled ones; all keys and values
-        of ``layer`` so far, (R, H, length + 1, Dh)."""
+        """The new position's k, v (R, H, 1, Dh) written after the filled ones (at buffer rows
+        0 .. R - 1); all keys and values of ``layer`` so far, (P, H, length + 1, Dh)."""
         n, keys, values = self.length, self.keys[layer], self.values[layer]
-        keys.narrow(2, n, 1).copy_(k)
-        values.narrow(2, n, 1).copy_(v)
+        keys.narrow(0, 0, k.size(0)).narrow(2, n, 1).copy_(k)
+        values.narrow(0, 0, v.size(0)).narrow(2, n, 1).copy_(v)
         return keys.narrow(2, 0, n + 1), values.narrow(2, 0, n + 1)
 
 
@@ -177,10 +180,7 @@ class DecoderStep:
             self._pad_seen = src_pad
             self._mask = (src_pad[:, None, :].expand(b, self.heads, s).reshape(b * self.heads, 1, s)
                           if self.always_mask or bool(src_pad.any()) else None)
-        weight = self.model.target_embedding.weight
-        like = weight.new_empty(tokens.size(0), self.heads, 0, weight.size(1) // self.heads)
-        caches = _Caches(*state.buffers(self.self_keys, like, state.length + self.room), *encoder, state.length)
-        logits = self._layers(tokens, caches, self._mask)
+        logits = self._layers(tokens, self._caches(state, tokens.size(0), encoder), self._mask)
         state.length += 1
         return logits
 
@@ -191,6 +191,12 @@ class DecoderStep:
         """The encoder's output (B, S, D) and padding mask (B, S) of ``src_tokens`` (B, S), padding
         skipped (``model.encode``); the first step caches the encoder keys and values."""
         return self.model.encode(src_tokens, skip_padding=True)
+
+    def _caches(self, state: IncrementalState, rows: int, encoder: tuple[torch.Tensor, torch.Tensor]) -> _Caches:
+        """What this step of ``rows`` rows reads and writes of ``state``."""
+        weight = self.model.target_embedding.weight
+        like = weight.new_empty(rows, self.heads, 0, weight.size(1) // self.heads)
+        return _Caches(*state.buffers(self.self_keys, like, state.length + self.room), *encoder, state.length)
 
     def _cache_encoder(self, enc: torch.Tensor, src_pad: torch.Tensor,
                        state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,19 +225,26 @@ class DecoderStep:
                 x = _residual(x, layer.fc2(layer.activation(layer.fc1(h))), s3)
         return self.model.project(_layer_norm(x, self.final_norm))
 
-    def _self_attention(self, layer: _Layer, x: torch.Tensor, caches: _Caches) -> torch.Tensor:
+    def _qkv(self, layer: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The new position's queries, keys and values, each (R, H, 1, Dh)."""
         rows, d = x.shape
         h, dh = self.heads, d // self.heads
         if layer.qkv is not None:
-            q, k, v = layer.qkv(x).view(rows, 3, h, 1, dh).unbind(1)
-        else:
-            q, k, v = (proj(x).view(rows, h, 1, dh) for proj in (layer.q, layer.k, layer.v))
-        k, v = caches.append(layer.index, k, v)  # (R, H, n, Dh), views of the cache
+            return layer.qkv(x).view(rows, 3, h, 1, dh).unbind(1)
+        return tuple(proj(x).view(rows, h, 1, dh) for proj in (layer.q, layer.k, layer.v))
+
+    def _self_attention(self, layer: _Layer, x: torch.Tensor, caches: _Caches) -> torch.Tensor:
+        q, k, v = self._qkv(layer, x)
+        return layer.self_out(self._attend(q, *caches.append(layer.index, k, v), caches))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: _Caches) -> torch.Tensor:
+        """(R, D): the queries q (R, H, 1, Dh) against the cached keys and values k, v (R, H, n, Dh)."""
+        rows, h, _, dh = q.shape
         n = k.size(2)
         # R * H products of one query with n keys (R and H merge without a copy in the cache).
         scores = torch.bmm(q.reshape(rows * h, 1, dh), k.reshape(rows * h, n, dh).transpose(1, 2))
         out = torch.bmm(self._softmax(scores.mul_(self.query_scale)), v.reshape(rows * h, n, dh))
-        return layer.self_out(out.view(rows, d))
+        return out.view(rows, h * dh)
 
     def _encoder_attention(self, layer: _Layer, x: torch.Tensor, caches: _Caches,
                            mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -260,12 +273,13 @@ class DecoderStep:
 # call (ATen's). On the 2-core AMD EPYC the generated kernels won at every shape of a step, and
 # streamed a step's weights ~1.3x faster than oneDNN's packed products (BENCHMARKS.md). The
 # template alone fails on some shapes (no valid choice), hence ATen beside it.
-# The benchmark's tables are not printed. A call's own cost counts at one sentence, so the
+# The benchmark's tables and statistics are not printed. A call's own cost counts at one sentence, so the
 # generated code does not check the size and alignment of each kernel's result, and the graphs'
 # guards skip the modules' attributes, which cannot change what a graph computes (the weights are
 # in it as constants): together ~0.1 ms a step, 4-5% of a small model's (BENCHMARKS.md).
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                   "autotune_num_choices_displayed": 0, "size_asserts": False, "alignment_asserts": False}
+                   "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
+                   "size_asserts": False, "alignment_asserts": False}
 _RECOMPILE_LIMIT = 32
 
 
@@ -275,6 +289,11 @@ class CompiledDecoderStep(DecoderStep):
     once, and the operators between them fused, so a step costs little beyond streaming the
     weights. The encoder, with every decoder layer's encoder keys and values, is a graph too
     (``encode``). CPU, float32, inference only: the weights are compiled in as constants.
+
+    Beam search's caches are kept in place (IncrementalState.keep_in_place): its reorder at every
+    step copies no key or value, and the attention gathers each row's positions from the buffer
+    rows that hold them. Greedy decoding, which reorders only when sentences finish, reads its rows
+    in place, with the products of ``DecoderStep``.
 
     The first calls compile (about a minute per kind of search for a base model on two cores;
     inductor keeps a cache on disk for later processes). Sizes that vary (rows as sentences finish,
@@ -344,6 +363,31 @@ class CompiledDecoderStep(DecoderStep):
         state.set_encoder_stack(self.cross_keys, *self._encoder_stack(real.unpad(enc), real))
         return state.encoder_stack(self.cross_keys)
 
+    def _caches(self, state: IncrementalState, rows: int, encoder: tuple[torch.Tensor, torch.Tensor]) -> _Caches:
+        """The caches kept in place where the search reorders them at every step (beam search): a
+        reorder copies none."""
+        if state.reorders_every_step and not state.in_place and state.length == 0:
+            state.keep_in_place()
+        caches = super()._caches(state, rows, encoder)
+        if not state.in_place:
+            return caches
+        return caches._replace(origins=state.step_origins(rows, caches.encoder_keys.device))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: _Caches) -> torch.Tensor:
+        """Each row's query against its own positions, gathered from the buffer rows that hold them
+        (``origins``; k, v are (P, H, n, Dh), every buffer row) by the kernels that multiply them:
+        nothing is copied. One buffer row (one sentence, greedy) holds every position: the products
+        of ``DecoderStep``, which inductor fuses for one row (~0.2 ms a step less on a base model)."""
+        if caches.origins is None or k.size(0) == 1:
+            return super()._attend(q, k, v, caches)
+        rows, h, _, dh = q.shape
+        n = k.size(2)
+        at, positions = caches.origins[:, :n], torch.arange(n, device=q.device)
+        k, v = k[at, :, positions], v[at, :, positions]  # (R, n, H, Dh)
+        scores = (q.view(rows, 1, h, dh) * k).sum(-1) * self.query_scale  # (R, n, H)
+        out = (scores.softmax(dim=1).unsqueeze(-1) * v).sum(1)  # (R, H, Dh)
+        return out.view(rows, h * dh)
+
     def _layers(self, tokens: torch.Tensor, caches: _Caches, mask: Optional[torch.Tensor]) -> torch.Tensor:
         # Sizes that vary (rows, cached and source positions, sentences) are symbolic in the first
         # graph already, not constants that a later batch recompiles for (~0.3 us a tensor).
@@ -356,14 +400,16 @@ class CompiledDecoderStep(DecoderStep):
             torch._dynamo.maybe_mark_dynamic(t, [0, 2])
         torch._dynamo.maybe_mark_dynamic(caches.encoder_keys, [1, 4])
         torch._dynamo.maybe_mark_dynamic(caches.encoder_values, [1, 3])
+        if caches.origins is not None:
+            torch._dynamo.maybe_mark_dynamic(caches.origins, [0, 1])
         return _frozen(self._compiled, tokens, *caches, mask)
 
     def _decoder_of(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                     encoder_keys: torch.Tensor, encoder_values: torch.Tensor, length: int,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    origins: Optional[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """``_decoder`` with the caches as arguments, which the graph's guards check: lists of
-        tensors and an int, not the IncrementalState's dictionaries."""
-        return self._decoder(tokens, _Caches(keys, values, encoder_keys, encoder_values, length), mask)
+        tensors, an int and a tensor, not the IncrementalState's dictionaries."""
+        return self._decoder(tokens, _Caches(keys, values, encoder_keys, encoder_values, length, origins), mask)
 
 
 def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:

@@ -115,19 +115,40 @@ class IncrementalState:
     ``reorder`` follows the search's choice of hypotheses (self-attention caches);
     ``reorder_encoder`` follows a change of the sentences in the batch (encoder-attention caches).
     Decoding is inference: gradients do not flow through a reorder.
+
+    ``keep_in_place`` (the compiled decoder step, for a search that made the state with
+    ``reorders_every_step``: beam search): a reorder then moves no cached key or value.
+    Each position stays in the buffer row that computed it, and ``origins`` (rows, capacity) says
+    where: ``origins[r, t]`` is the buffer row that holds position t of row r. A step writes its
+    position at buffer rows 0 .. rows - 1 and reads the earlier ones through ``origins``; a reorder
+    reorders ``origins`` alone. Copying every layer's filled cache at each beam step took 1.4 ms of
+    a ~10 ms step at 64 sentences x 4 beams (BENCHMARKS.md). Reading through ``origins`` costs
+    more than reading rows in place, so a search that reorders only when sentences finish (greedy)
+    keeps the copying reorder.
     """
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 64, reorders_every_step: bool = False) -> None:
         self.length = 0  # target positions already decoded
         self.capacity = max(1, int(capacity))
+        self.reorders_every_step = reorders_every_step  # a hint to the decoder step: keep_in_place
         self._self: dict[int, list[torch.Tensor]] = {}  # id(module) -> [k, v, spare k, spare v]
         self._encoder: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._encoder_stack: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._encoder_stack_keys: tuple[int, ...] = ()
+        self.in_place = False
+        self.origins: Optional[torch.Tensor] = None  # in place: (rows, capacity), see the class
+
+    def keep_in_place(self) -> None:
+        """Reorders move no cached key or value from now on (see the class); before the first step."""
+        if self._self:
+            raise RuntimeError("keep_in_place() after the self-attention caches were filled")
+        self.in_place = True
 
     def append(self, key: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new positions k, v (rows, H, T, Dh) after ``self.length`` cached ones; returns
         views of all keys and values so far, (rows, H, length + T, Dh)."""
+        if self.in_place:
+            raise RuntimeError("append() on a state that keeps its caches in place (keep_in_place)")
         start, end = self.length, self.length + k.size(2)
         bufs = self._self.get(key)
         if bufs is None:
@@ -164,6 +185,18 @@ class IncrementalState:
             if end > bufs[0].size(2):
                 self._grow(bufs, end)
 
+    def step_origins(self, rows: int, device: torch.device) -> torch.Tensor:
+        """In place: ``origins`` (rows, capacity of the buffers), with this step's position
+        (``length``) in each row's own buffer row."""
+        capacity = max((bufs[0].size(2) for bufs in self._self.values()), default=self.length + 1)
+        n, origins = self.length, self.origins
+        if origins is None or origins.size(1) < capacity:
+            self.origins = torch.zeros(rows, capacity, dtype=torch.long, device=device)
+            if origins is not None:
+                self.origins[:, :n] = origins[:, :n]
+        self.origins[:, n] = torch.arange(rows, device=device)
+        return self.origins
+
     def _grow(self, bufs: list, end: int) -> None:
         """A cache's buffers (in place in ``bufs``) at least doubled, to hold ``end`` positions;
         the filled prefix copied over."""
@@ -199,6 +232,9 @@ class IncrementalState:
         """Row i of every self-attention cache becomes row ``order[i]``; only the filled prefix is
         copied, into the spare buffer when the row count stays (no allocation)."""
         n = self.length
+        if self.in_place:
+            self._reorder_origins(order)
+            return
         for bufs in self._self.values():
             for i in (0, 1):
                 cur, spare = bufs[i], bufs[2 + i]
@@ -209,6 +245,21 @@ class IncrementalState:
                 with torch.no_grad():
                     torch.index_select(cur[:, :, :n], 0, order, out=spare[:, :, :n])
                 bufs[i], bufs[2 + i] = spare, (cur if order.numel() == cur.size(0) else None)
+
+    def _reorder_origins(self, order: torch.Tensor) -> None:
+        """In place: row i's positions become row ``order[i]``'s, where they are. Buffers with fewer
+        rows than ``order`` (beam search's first step) get the rows, the filled ones copied over."""
+        n, rows = self.length, order.numel()
+        if self.origins is not None:
+            origins = self.origins.new_empty(rows, self.origins.size(1))
+            torch.index_select(self.origins[:, :n], 0, order, out=origins[:, :n])
+            self.origins = origins
+        for bufs in self._self.values():
+            if rows > bufs[0].size(0):
+                grown = [b.new_empty(rows, *b.shape[1:]) for b in bufs[:2]]
+                for new, old in zip(grown, bufs[:2]):
+                    new[:old.size(0), :, :n] = old[:, :, :n]
+                bufs[:] = grown + [None, None]
 
     def reorder_encoder(self, order: torch.Tensor) -> None:
         """Row i of every encoder-attention cache becomes row ``order[i]`` (a sentence index)."""
