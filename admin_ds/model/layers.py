@@ -122,7 +122,7 @@ class IncrementalState:
     where: ``origins[r, t]`` is the buffer row that holds position t of row r. A step writes its
     position at buffer rows 0 .. rows - 1 and reads the earlier ones through ``origins``; a reorder
     reorders ``origins`` alone. Copying every layer's filled cache at each beam step took 1.4 ms of
-    a ~10 ms step at 64 sentences x 4 beams (BENCHMARKS.md). Reading through ``origins`` costs
+    a ~12 ms step at 64 sentences x 4 beams (BENCHMARKS.md). Reading through ``origins`` costs
     more than reading rows in place, so a search that reorders only when sentences finish (greedy)
     keeps the copying reorder.
     """
