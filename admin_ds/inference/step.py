@@ -273,10 +273,10 @@ class DecoderStep:
 # call (ATen's). On the 2-core AMD EPYC the generated kernels won at every shape of a step, and
 # streamed a step's weights ~1.3x faster than oneDNN's packed products (BENCHMARKS.md). The
 # template alone fails on some shapes (no valid choice), hence ATen beside it.
-# The benchmark's tables and statistics are not printed. A call's own cost counts at one sentence, so the
-# generated code does not check the size and alignment of each kernel's result, and the graphs'
-# guards skip the modules' attributes, which cannot change what a graph computes (the weights are
-# in it as constants): together ~0.1 ms a step, 4-5% of a small model's (BENCHMARKS.md).
+# The benchmark's tables and statistics are not printed. A call's own cost counts at one
+# sentence, so the generated code does not check the size and alignment of each kernel's result
+# (~0.1 ms a step, 4-5% of a small model's), and the guards check the arguments alone
+# (``_argument_guards``; BENCHMARKS.md).
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
                    "size_asserts": False, "alignment_asserts": False}
