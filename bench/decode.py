@@ -9,10 +9,11 @@ The model is --model (a run directory or model file: real output lengths, --leng
 default, a randomly initialised base-6L-6L (Transformer-base, 512/2048/8 heads, 6+6 layers) over a
 joint SentencePiece vocabulary of --vocab pieces trained on the fly on WMT newstest2013/2014 en+de
 (../shared/data/wmt14/en-de beside the repository; the benchmark skips when it is absent). Sources
-are the first --batch sentences of --src (newstest2014.en). The model goes through launch/export.py's
-path (folded, exported to a MarianMTModel directory, converted to CTranslate2), so the decoders run
-the same weights; int8 is ours (translate.py --int8) against CTranslate2's compute_type int8, both
-quantizing the same float32 weights at load.
+are the first --sentences sentences of --src (newstest2014.en), decoded in consecutive batches of each
+of --batches (each batch padded on its own): the same sentences at every batch size. The model goes
+through launch/export.py's path (folded, exported to a MarianMTModel directory, converted to
+CTranslate2), so the decoders run the same weights; int8 is ours (translate.py --int8) against
+CTranslate2's compute_type int8, both quantizing the same float32 weights at load.
 
 --length L > 0 forces every decoder to the same work: exactly L tokens plus EOS per sentence (ours:
 min_len = max_len_b = L with EOS forced at step L; transformers: min_new_tokens = max_new_tokens =
@@ -74,6 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--dims", type=_dims, help="the random model's width/FFN width/heads instead of the "
                    "--preset's, e.g. 256/1024/4 (the Multi30k recipe's)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="sentences per batch")
+    p.add_argument("--sentences", type=int, help="sentences decoded per round at every batch size, in "
+                   "consecutive batches (default: the largest of --batches), so that each batch size times "
+                   "the same sentences and a one-sentence batch is not timed on a single sentence")
     p.add_argument("--length", type=int, default=32, help="target tokens per sentence (plus EOS); 0: up to EOS")
     p.add_argument("--max-len", type=int, default=128, help="--length 0: the most tokens per sentence")
     p.add_argument("--beam", type=int, default=4)
@@ -180,8 +184,9 @@ def source_batch(subword, cfg, lines: list[str]):
     return src
 
 
-def decoders(args, threads: int, precision: str, ours: dict, subword, src, hf_dir: Path, ct2_dir: Path):
-    """{(engine, beam): run() -> output token ids per sentence (the final EOS included)}."""
+def decoders(args, threads: int, precision: str, ours: dict, subword, srcs: list, hf_dir: Path, ct2_dir: Path):
+    """{(engine, beam): run() -> output token ids per sentence (the final EOS included)}: each run
+    decodes the batches ``srcs`` one after another."""
     import ctranslate2
     import torch
 
@@ -194,16 +199,17 @@ def decoders(args, threads: int, precision: str, ours: dict, subword, src, hf_di
     limits = dict(max_len_a=0, max_len_b=L, min_len=L if forced else 1)
     ct2 = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type={"fp32": "float32"}.get(precision, precision), inter_threads=1,
                                  intra_threads=threads)
-    pieces = [[subword.piece(i) for i in row if i != pad] for row in src.tolist()]
+    pieces = [[[subword.piece(i) for i in row if i != pad] for row in src.tolist()] for src in srcs]
 
     def admin_ds(m, beam):
         if beam == 1:
-            return [h + [eos] for h in greedy(m, src, **limits)]
-        return [h[0].tokens + [eos] for h in beam_search(m, src, beam=beam, **limits)]
+            return [h + [eos] for src in srcs for h in greedy(m, src, **limits)]
+        return [h[0].tokens + [eos] for src in srcs for h in beam_search(m, src, beam=beam, **limits)]
 
     def ctranslate2_(beam):
-        res = ct2.translate_batch(pieces, beam_size=beam, min_decoding_length=L + 1 if forced else 0,
-                                  max_decoding_length=L + 1, return_end_token=True, max_batch_size=0)
+        res = [r for batch in pieces
+               for r in ct2.translate_batch(batch, beam_size=beam, min_decoding_length=L + 1 if forced else 0,
+                                            max_decoding_length=L + 1, return_end_token=True, max_batch_size=0)]
         return [[subword.id_of(p) for p in r.hypotheses[0]] for r in res]
 
     engines = [(name, lambda beam, m=m: admin_ds(m, beam)) for name, m in ours.items()]
@@ -212,13 +218,15 @@ def decoders(args, threads: int, precision: str, ours: dict, subword, src, hf_di
         from transformers import MarianMTModel
 
         hf = MarianMTModel.from_pretrained(str(hf_dir)).eval()
-        mask = src.ne(pad)
 
         def transformers_(beam):
-            with torch.inference_mode():
-                out = hf.generate(input_ids=src, attention_mask=mask, num_beams=beam, do_sample=False,
-                                  min_new_tokens=L + 1 if forced else 0, max_new_tokens=L + 1)
-            return [[t for t in row[1:] if t != pad] for row in out.tolist()]  # minus the start token
+            rows = []
+            for src in srcs:
+                with torch.inference_mode():
+                    out = hf.generate(input_ids=src, attention_mask=src.ne(pad), num_beams=beam, do_sample=False,
+                                      min_new_tokens=L + 1 if forced else 0, max_new_tokens=L + 1)
+                rows += [[t for t in row[1:] if t != pad] for row in out.tolist()]  # minus the start token
+            return rows
 
         engines.append(("transformers", transformers_))
     return {(name, beam): (lambda fn=fn, beam=beam: fn(beam)) for name, fn in engines for beam in (1, K)}
@@ -347,6 +355,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:
         torch.set_num_threads(args.threads[0])
         mf, lines = build(args, Path(tmp))
+        sentences = lines[:args.sentences or max(args.batches)]
         _, subword = build_from_model_file(mf)
         for precision in args.precisions:
             ours = models(mf, precision, args.plain, args.onednn, args.compile)
@@ -354,10 +363,11 @@ def main(argv=None) -> int:
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 for n in args.batches:
-                    src = source_batch(subword, cfg, lines[:n])
-                    runs = decoders(args, threads, precision, ours, subword, src, Path(tmp) / "hf", Path(tmp) / "ct2")
+                    srcs = [source_batch(subword, cfg, sentences[i:i + n]) for i in range(0, len(sentences), n)]
+                    runs = decoders(args, threads, precision, ours, subword, srcs, Path(tmp) / "hf", Path(tmp) / "ct2")
                     times, outputs = measure(args, runs)
-                    rows += rows_for(args, f"{precision} | {threads} | {src.size(0)}", times, outputs, src.size(0))
+                    rows += rows_for(args, f"{precision} | {threads} | {min(n, len(sentences))}", times, outputs,
+                                     len(sentences))
                     print(rows[-2] + "\n" + rows[-1], flush=True)
                     if args.profile and profile is None and precision == "fp32":
                         profile = (n, threads, profile_search(runs[("admin_ds", args.beam)]))
@@ -384,7 +394,8 @@ def main(argv=None) -> int:
         f"ctranslate2 {ctranslate2.__version__}, Python {platform.python_version()}",
         f"- model: {described}; the same weights in every decoder "
         f"(exported with launch/export.py); int8: each library quantizes them at load",
-        f"- sources: the first N sentences of {args.src.name}, one padded batch each; {work}; best of "
+        f"- sources: the first {len(sentences)} sentences of {args.src.name} in consecutive batches of the "
+        f"table's batch size, each padded on its own; {work}; best of "
         f"{args.repeats} interleaved rounds, encoding included",
         "",
         "ours = admin_ds as translate.py decodes (fp32: weights packed, a decoder step's products for "
