@@ -66,6 +66,12 @@ def _dims(text: str) -> dict:
     return dict(model_dim=d, ffn_inner_dim=f, num_heads=h)
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least 1")
+    return int(text)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="run directory or model file (default: a random --preset)")
@@ -75,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--dims", type=_dims, help="the random model's width/FFN width/heads instead of the "
                    "--preset's, e.g. 256/1024/4 (the Multi30k recipe's)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="sentences per batch")
-    p.add_argument("--sentences", type=int, help="sentences decoded per round at every batch size, in "
+    p.add_argument("--sentences", type=_positive, help="sentences decoded per round at every batch size, in "
                    "consecutive batches (default: the largest of --batches), so that each batch size times "
                    "the same sentences and a one-sentence batch is not timed on a single sentence")
     p.add_argument("--length", type=int, default=32, help="target tokens per sentence (plus EOS); 0: up to EOS")
