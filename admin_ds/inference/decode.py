@@ -84,15 +84,21 @@ def _max_lens(model, src: torch.Tensor, max_len_a: float, max_len_b: int) -> tor
 
 
 def _lprobs(logits: torch.Tensor, step: int, force_eos: Optional[torch.Tensor], pad: int, eos: int,
-            unk: int, unk_penalty: float, min_len: int, temperature: float = 1.0) -> torch.Tensor:
+            unk: int, unk_penalty: float, min_len: int, temperature: float = 1.0,
+            normalize: bool = True) -> torch.Tensor:
     """(N, V) logits -> float32 log-probs with fairseq's constraints: pad never, unk penalised,
     EOS forbidden before min_len, only EOS in the rows where ``force_eos`` (N,) is set (the max
     length is reached; this wins over min_len so every hypothesis terminates). ``force_eos=None``:
-    no row is at its max length."""
+    no row is at its max length.
+
+    ``normalize=False``: the constraints on the logits themselves, in place where they are float32,
+    for a caller that only takes each row's largest (greedy decoding): log-softmax subtracts one
+    number from a whole row, so the largest stays where it is, and its pass over rows x vocabulary
+    is saved."""
     x = logits.float()
     if temperature != 1.0:
         x = x / temperature
-    lp = F.log_softmax(x, dim=-1)
+    lp = F.log_softmax(x, dim=-1) if normalize else x
     eos_lp = lp[:, eos].clone() if force_eos is not None else None
     lp[:, pad] = NEG_INF
     if unk_penalty:
@@ -160,7 +166,9 @@ def _prepare(model, src_tokens: torch.Tensor) -> torch.Tensor:
 
 def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor],
               max_len_a: float, max_len_b: int, unk_penalty: float, min_len: int,
-              temperature: float = 1.0) -> list[list[int]]:
+              temperature: float = 1.0, normalize: bool = True) -> list[list[int]]:
+    """One hypothesis per sentence: ``choose`` picks each row's next token from its constrained
+    log-probs, or from its constrained logits where ``normalize`` is False (see _lprobs)."""
     _, pad, eos, unk = _specials(model)
     B = src.size(0)
     if B == 0:
@@ -176,7 +184,7 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
     for step in range(max_len + 1):
         logits = step_logits(cur, enc, src_pad, state)
         force = max_lens.le(step) if step >= min_max_len else None
-        lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len, temperature)
+        lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len, temperature, normalize)
         tok = choose(lp)
         out[orig, step] = tok
         done = tok.eq(eos)
@@ -203,8 +211,8 @@ def greedy(model, src_tokens: torch.Tensor, max_len_a: float = 0.0, max_len_b: i
     beam=1 result it equals."""
     with _inference(model):
         src = _prepare(model, src_tokens)
-        return _one_best(model, src, lambda lp: lp.argmax(dim=-1), max_len_a, max_len_b,
-                         unk_penalty, min_len)
+        return _one_best(model, src, lambda scores: scores.argmax(dim=-1), max_len_a, max_len_b,
+                         unk_penalty, min_len, normalize=False)
 
 
 def sample(model, src_tokens: torch.Tensor, topk: int = 0, topp: float = 0.0,

@@ -264,11 +264,22 @@ class IncrementalState:
     def reorder_encoder(self, order: torch.Tensor) -> None:
         """Row i of every encoder-attention cache becomes row ``order[i]`` (a sentence index)."""
         if self._encoder_stack is not None:
-            self.set_encoder_stack(self._encoder_stack_keys, *(t.index_select(1, order) for t in self._encoder_stack))
+            self.set_encoder_stack(self._encoder_stack_keys, *(_select_rows(t, order) for t in self._encoder_stack))
         stacked = set(self._encoder_stack_keys)
         for key, (k, v) in self._encoder.items():
             if key not in stacked:
                 self._encoder[key] = (k.index_select(0, order), v.index_select(0, order))
+
+
+def _select_rows(stack: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``stack.index_select(1, order)`` of a stack (L, B, ...), layer by layer: a selection along
+    the first dimension copies whole rows, and took ~0.7 ms against ~1.2-1.8 ms along the second
+    for a 6-layer stack of 64 sentences (2 threads)."""
+    out = stack.new_empty(stack.size(0), order.numel(), *stack.shape[2:])
+    with torch.no_grad():
+        for layer, selected in zip(stack, out):
+            torch.index_select(layer, 0, order, out=selected)
+    return out
 
 
 class Unpadded:

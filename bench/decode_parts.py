@@ -1,0 +1,184 @@
+"""Where a search's time goes, part by part; and two of its parts side by side with what they replaced.
+
+    python bench/decode_parts.py --model runs/multi30k_en_de_admin/avg2.pt \
+        --src data/multi30k_en_de/test.en --batches 1 64 --compile
+
+The first --sentences sentences of --src (default 64) are decoded in consecutive batches of each
+--batches size, greedy and beam --beam, up to EOS or --max-len tokens, as bench/decode.py decodes
+them. Parts, timed around the calls in one process (best of --repeats rounds, after a warm-up
+round that compiles): the encoder; the decoder steps by their row count (sentences x beams still
+decoding); the self-attention caches' and the encoder keys' and values' reorders when rows finish
+or beams move; the rest of the search (log-probabilities, the choice of tokens, bookkeeping).
+
+Then, in interleaved rounds (--repeats each, the order alternating), the two variants of each
+change, outputs compared:
+- greedy's choice: the largest of each row's constrained logits (now) against the largest of its
+  log-probabilities (before; a log-softmax over rows x vocabulary at every step);
+- the encoder keys' and values' rows kept when sentences finish: selected layer by layer along the
+  first dimension (now) against along the second dimension of the (layers, sentences, ...) stacks.
+
+The report goes to --out (appended), with the command, date and hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import decode as bench_decode  # noqa: E402  (bench/ is not a package)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="run directory or model file")
+    p.add_argument("--src", type=Path, required=True, help="source sentences, one per line")
+    p.add_argument("--batches", type=bench_decode._positive, nargs="+", default=[1, 64])
+    p.add_argument("--sentences", type=bench_decode._positive, default=64)
+    p.add_argument("--beam", type=bench_decode._positive, default=4)
+    p.add_argument("--max-len", type=bench_decode._positive, default=128)
+    p.add_argument("--threads", type=bench_decode._positive, default=2)
+    p.add_argument("--repeats", type=bench_decode._positive, default=4)
+    p.add_argument("--compile", action="store_true", help="a compiled decoder step (translate.py --compile)")
+    p.add_argument("--out", type=Path, default=REPO / "bench/decode_parts_results.md")
+    return p.parse_args(argv)
+
+
+class Timers:
+    """Seconds and calls per part, around the functions that ``wrap`` replaces."""
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+
+    def wrap(self, owner, attr: str, name) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            part = name(*args) if callable(name) else name
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - start
+                self.calls[part] += 1
+
+        setattr(owner, attr, timed)
+
+    def clear(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def _rows(rows: int) -> str:
+    return "1 row" if rows == 1 else "2-8 rows" if rows <= 8 else "9-64 rows" if rows <= 64 else "65+ rows"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from admin_ds.inference import decode
+    from admin_ds.inference.allocator import tune_malloc_for_decoding
+    from admin_ds.inference.model_file import build_from_model_file
+    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.step import decoder_step
+    from admin_ds.model import layers
+    from admin_ds.model.layers import IncrementalState
+
+    torch.set_num_threads(args.threads)
+    tune_malloc_for_decoding()
+    build_args = bench_decode.parse_args(["--model", str(args.model), "--src", str(args.src)])
+    with tempfile.TemporaryDirectory() as tmp:
+        mf, lines = bench_decode.build(build_args, Path(tmp))
+    _, subword = build_from_model_file(mf)
+    model = optimize_for_decoding(build_from_model_file(mf)[0], "fp32", compile_step=args.compile)
+    lines = lines[:args.sentences]
+    limits = dict(max_len_a=0, max_len_b=args.max_len, min_len=1)
+
+    timers = Timers()
+    step_class = type(decoder_step(model))
+    timers.wrap(step_class, "__call__", lambda self, tokens, *rest: "decoder steps, " + _rows(tokens.size(0)))
+    if hasattr(step_class, "encode"):
+        timers.wrap(step_class, "encode", "encoder")
+    timers.wrap(IncrementalState, "reorder", "reorder: self-attention caches")
+    timers.wrap(IncrementalState, "reorder_encoder", "reorder: encoder keys and values")
+
+    def search(batches, beam, logits_choice=True, rows_first=True):
+        select = layers._select_rows
+        if not rows_first:
+            layers._select_rows = lambda stack, order: stack.index_select(1, order)
+        try:
+            out = []
+            for src in batches:
+                if beam == 1:
+                    with decode._inference(model):
+                        out += decode._one_best(model, decode._prepare(model, src), lambda x: x.argmax(dim=-1),
+                                                0, args.max_len, 0.0, 1, normalize=not logits_choice)
+                else:
+                    out += [h[0].tokens for h in decode.beam_search(model, src, beam=beam, **limits)]
+            return out
+        finally:
+            layers._select_rows = select
+
+    report = ["# Where a search's time goes (bench/decode_parts.py)", "",
+              f"- command: `python bench/decode_parts.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+              f"- date: {datetime.date.today().isoformat()}; hardware: {bench_decode.hardware()}",
+              f"- torch {torch.__version__}, {args.threads} threads; {'compiled' if args.compile else 'eager'} "
+              f"decoder step; the first {len(lines)} sentences of {args.src.name}, up to EOS or {args.max_len} "
+              f"tokens; best of {args.repeats} rounds, ms per round", ""]
+    parts_rows, compare_rows = [], []
+    for size in args.batches:
+        batches = [bench_decode.source_batch(subword, model.cfg, lines[i:i + size])
+                   for i in range(0, len(lines), size)]
+        for beam in (1, args.beam):
+            label = f"batch {size}, {'greedy' if beam == 1 else f'beam {beam}'}"
+            search(batches, beam)  # warm-up (and compilation)
+            best = None
+            for _ in range(args.repeats):
+                timers.clear()
+                start = time.perf_counter()
+                search(batches, beam)
+                total = time.perf_counter() - start
+                if best is None or total < best[0]:
+                    best = (total, dict(timers.seconds), dict(timers.calls))
+            total, seconds, calls = best
+            named = sum(seconds.values())  # the timed parts call none of each other
+            cells = [f"{k}: {v * 1e3:.1f} ({calls[k]})" for k, v in sorted(seconds.items())]
+            cells.append(f"the rest: {(total - named) * 1e3:.1f}")
+            parts_rows.append(f"| {label} | {total * 1e3:.1f} | {'; '.join(cells)} |")
+            print(parts_rows[-1], flush=True)
+
+            variants = {"new": dict(), "old": dict(rows_first=False, logits_choice=beam != 1)}
+            outputs = {name: search(batches, beam, **kw) for name, kw in variants.items()}
+            times = {name: [] for name in variants}
+            for r in range(args.repeats):
+                for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
+                    start = time.perf_counter()
+                    search(batches, beam, **variants[name])
+                    times[name].append(time.perf_counter() - start)
+            old, new = min(times["old"]), min(times["new"])
+            med = sorted(times["old"])[len(times["old"]) // 2] / sorted(times["new"])[len(times["new"]) // 2]
+            compare_rows.append(f"| {label} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.3f}x | {med:.3f}x | "
+                                f"{'yes' if outputs['old'] == outputs['new'] else 'NO'} |")
+            print(compare_rows[-1], flush=True)
+    report += ["| search | total ms | parts: ms (calls) |", "|---|---:|---|", *parts_rows, "",
+               "Before (greedy: the largest log-probability; encoder stacks' rows selected along the second "
+               "dimension) and now, interleaved rounds:", "",
+               "| search | before ms | now ms | before / now, best | before / now, median | same outputs |",
+               "|---|---:|---:|---:|---:|---|", *compare_rows, ""]
+    with open(args.out, "a", encoding="utf-8") as f:
+        f.write("\n".join(report) + "\n")
+    print(f"appended to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
