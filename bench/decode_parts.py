@@ -26,7 +26,6 @@ import argparse
 import collections
 import datetime
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=bench_decode._positive, default=4)
     p.add_argument("--compile", action="store_true", help="a compiled decoder step (translate.py --compile)")
     p.add_argument("--out", type=Path, default=REPO / "bench/decode_parts_results.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("model", "src"):
+        if not getattr(args, name).exists():
+            p.error(f"--{name} {getattr(args, name)}: no such file or directory")
+    return args
 
 
 class Timers:
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
 
     from admin_ds.inference import decode
     from admin_ds.inference.allocator import tune_malloc_for_decoding
-    from admin_ds.inference.model_file import build_from_model_file
+    from admin_ds.inference.model_file import build_from_model_file, load_any
     from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.inference.step import decoder_step
     from admin_ds.model import layers
@@ -95,12 +98,10 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     tune_malloc_for_decoding()
-    build_args = bench_decode.parse_args(["--model", str(args.model), "--src", str(args.src)])
-    with tempfile.TemporaryDirectory() as tmp:
-        mf, lines = bench_decode.build(build_args, Path(tmp))
-    _, subword = build_from_model_file(mf)
-    model = optimize_for_decoding(build_from_model_file(mf)[0], "fp32", compile_step=args.compile)
-    lines = lines[:args.sentences]
+    mf = load_any(args.model)
+    model, subword = build_from_model_file(mf)
+    model = optimize_for_decoding(model, "fp32", compile_step=args.compile)
+    lines = [line for line in args.src.read_text(encoding="utf-8").splitlines() if line.strip()][:args.sentences]
     limits = dict(max_len_a=0, max_len_b=args.max_len, min_len=1)
 
     timers = Timers()
