@@ -263,7 +263,8 @@ _CATEGORIES = [
     ("LayerNorm", ("aten::native_layer_norm",)),
     ("KV cache growth and beam reorder (cat, index_select, copies)", ("aten::cat", "aten::index_select", "aten::copy_",
                                                                       "aten::index", "aten::gather")),
-    ("log-softmax, top-k, search bookkeeping", ("aten::_log_softmax", "aten::topk", "aten::sort", "aten::argmax")),
+    ("log-softmax, top-k, search bookkeeping", ("aten::_log_softmax", "aten::topk", "aten::sort", "aten::argmax",
+                                                "aten::max")),
 ]
 
 

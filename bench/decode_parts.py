@@ -10,12 +10,11 @@ round that compiles): the encoder; the decoder steps by their row count (sentenc
 decoding); the self-attention caches' and the encoder keys' and values' reorders when rows finish
 or beams move; the rest of the search (log-probabilities, the choice of tokens, bookkeeping).
 
-Then, in interleaved rounds (--repeats each, the order alternating), the two variants of each
-change, outputs compared:
-- greedy's choice: the largest of each row's constrained logits (now) against the largest of its
-  log-probabilities (before; a log-softmax over rows x vocabulary at every step);
-- the encoder keys' and values' rows kept when sentences finish: selected layer by layer along the
-  first dimension (now) against along the second dimension of the (layers, sentences, ...) stacks.
+Then, in interleaved rounds (--repeats each, the order alternating), greedy's choice of each row's
+largest constrained logit by torch.max's reduction (now) against argmax's (before), outputs
+compared. (The report of 2026-11-27 compared two earlier changes the same way: greedy's choice
+from the constrained logits against a log-softmax, and the encoder stacks' rows selected along the
+first dimension against the second.)
 
 The report goes to --out (appended), with the command, date and hardware.
 """
@@ -24,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -93,7 +95,6 @@ def main(argv=None) -> int:
     from admin_ds.inference.model_file import build_from_model_file, load_any
     from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.inference.step import decoder_step
-    from admin_ds.model import layers
     from admin_ds.model.layers import IncrementalState
 
     torch.set_num_threads(args.threads)
@@ -112,22 +113,15 @@ def main(argv=None) -> int:
     timers.wrap(IncrementalState, "reorder", "reorder: self-attention caches")
     timers.wrap(IncrementalState, "reorder_encoder", "reorder: encoder keys and values")
 
-    def search(batches, beam, logits_choice=True, rows_first=True):
-        select = layers._select_rows
-        if not rows_first:
-            layers._select_rows = lambda stack, order: stack.index_select(1, order)
-        try:
+    def search(batches, beam, before=False):
+        with _before(before):
             out = []
             for src in batches:
                 if beam == 1:
-                    with decode._inference(model):
-                        out += decode._one_best(model, decode._prepare(model, src), lambda x: x.argmax(dim=-1),
-                                                0, args.max_len, 0.0, 1, normalize=not logits_choice)
+                    out += decode.greedy(model, src, **limits)
                 else:
                     out += [h[0].tokens for h in decode.beam_search(model, src, beam=beam, **limits)]
             return out
-        finally:
-            layers._select_rows = select
 
     report = ["# Where a search's time goes (bench/decode_parts.py)", "",
               f"- command: `python bench/decode_parts.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
@@ -157,28 +151,82 @@ def main(argv=None) -> int:
             parts_rows.append(f"| {label} | {total * 1e3:.1f} | {'; '.join(cells)} |")
             print(parts_rows[-1], flush=True)
 
-            variants = {"new": dict(), "old": dict(rows_first=False, logits_choice=beam != 1)}
-            outputs = {name: search(batches, beam, **kw) for name, kw in variants.items()}
-            times = {name: [] for name in variants}
-            for r in range(args.repeats):
-                for name in (("new", "old") if r % 2 == 0 else ("old", "new")):
-                    start = time.perf_counter()
-                    search(batches, beam, **variants[name])
-                    times[name].append(time.perf_counter() - start)
-            old, new = min(times["old"]), min(times["new"])
-            med = sorted(times["old"])[len(times["old"]) // 2] / sorted(times["new"])[len(times["new"]) // 2]
-            compare_rows.append(f"| {label} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.3f}x | {med:.3f}x | "
-                                f"{'yes' if outputs['old'] == outputs['new'] else 'NO'} |")
+            outputs = {before: search(batches, beam, before) for before in (False, True)}
+            times = _interleaved(lambda before: search(batches, beam, before), args.repeats)
+            compare_rows.append(_compared(label, times, outputs[False] == outputs[True]))
             print(compare_rows[-1], flush=True)
     report += ["| search | total ms | parts: ms (calls) |", "|---|---:|---|", *parts_rows, "",
-               "Before (greedy: the largest log-probability; encoder stacks' rows selected along the second "
-               "dimension) and now, interleaved rounds:", "",
-               "| search | before ms | now ms | before / now, best | before / now, median | same outputs |",
-               "|---|---:|---:|---:|---:|---|", *compare_rows, ""]
+               "Greedy's choice by argmax (before) and by torch.max (now), interleaved rounds (beam search "
+               "takes neither: its rows measure the noise):", "", *_COMPARED_HEADER, *compare_rows, "",
+               f"The choice alone, on random rows of {model.cfg.vocab_size} logits (us a call, best of 5 rounds):",
+               "", "| rows | argmax | torch.max | argmax / torch.max |", "|---:|---:|---:|---:|",
+               *_choice_rows(model.cfg.vocab_size), ""]
     with open(args.out, "a", encoding="utf-8") as f:
         f.write("\n".join(report) + "\n")
     print(f"appended to {args.out}")
     return 0
+
+
+_COMPARED_HEADER = ["| search | before ms | now ms | before / now, best | before / now, median | same outputs |",
+                    "|---|---:|---:|---:|---:|---|"]
+
+
+@contextlib.contextmanager
+def _before(before: bool) -> Iterator[None]:
+    """``before``: greedy's choice by argmax, while it lasts."""
+    from admin_ds.inference import decode
+
+    largest = decode._largest
+    if before:
+        decode._largest = lambda scores: scores.argmax(dim=-1)
+    try:
+        yield
+    finally:
+        decode._largest = largest
+
+
+def _choice_rows(vocab: int) -> list[str]:
+    """argmax against torch.max's positions of each row's largest value, at 1, 16 and 64 rows."""
+    import torch
+
+    rows = []
+    for n in (1, 16, 64):
+        x = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
+        assert torch.equal(x.argmax(dim=-1), x.max(dim=-1).indices)
+        us = [_best_call(f, x) * 1e6 for f in (lambda x: x.argmax(dim=-1), lambda x: x.max(dim=-1).indices)]
+        rows.append(f"| {n} | {us[0]:.1f} | {us[1]:.1f} | {us[0] / us[1]:.2f}x |")
+    return rows
+
+
+def _best_call(f: Callable, x, calls: int = 200) -> float:
+    """Seconds of one ``f(x)``, the best of 5 rounds of ``calls`` calls."""
+    best = float("inf")
+    for r in range(6):  # the first round warms up
+        start = time.perf_counter()
+        for _ in range(calls):
+            f(x)
+        if r:
+            best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _interleaved(run: Callable[[bool], object], repeats: int) -> dict[bool, list[float]]:
+    """Seconds of ``run(before)`` for before False and True, ``repeats`` rounds each, the order
+    alternating from round to round."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(repeats):
+        for before in ((False, True) if r % 2 == 0 else (True, False)):
+            start = time.perf_counter()
+            run(before)
+            times[before].append(time.perf_counter() - start)
+    return times
+
+
+def _compared(label: str, times: dict[bool, list[float]], same: bool) -> str:
+    old, new = min(times[True]), min(times[False])
+    median = statistics.median(times[True]) / statistics.median(times[False])
+    return (f"| {label} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.3f}x | {median:.3f}x | "
+            f"{'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -325,6 +325,23 @@ def test_block_topk_equals_torch_topk():
         assert all(len(set(row)) == k for row in idx.tolist())
 
 
+def test_greedy_choice_is_argmax_first_of_ties():
+    """decode._largest (torch.max's positions) against argmax and a hand-written first maximum:
+    ties (the first wins), -inf, a row of -inf only, one row and many."""
+    from admin_ds.inference.decode import _largest
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 3, (64, 8000), generator=g).float()  # every row has many equal maxima
+    x[1, :] = -math.inf
+    x[2, ::2] = -math.inf
+    x[3, 7999] = 5.0
+    first = [row.index(max(row)) for row in x.tolist()]
+    assert _largest(x).tolist() == x.argmax(dim=-1).tolist() == first
+    assert _largest(x[3:4]).tolist() == [7999]
+    y = torch.randn(16, 8000, generator=g)
+    assert torch.equal(_largest(y), y.argmax(dim=-1))
+
+
 # ---- 4. a trained copy model decodes correctly ----------------------------------------------------
 
 

@@ -204,6 +204,13 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
     return hyps
 
 
+def _largest(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's position of its largest value (N, V) -> (N,), the first of equal ones, as
+    ``argmax`` gives it: torch.max's reduction over the rows, which takes about three quarters of
+    argmax's time on the CPU (1, 16 and 64 rows of 8,000 logits: 0.75-0.78x; bench/decode_parts.py)."""
+    return scores.max(dim=-1).indices
+
+
 def greedy(model, src_tokens: torch.Tensor, max_len_a: float = 0.0, max_len_b: int = 200,
            unk_penalty: float = 0.0, min_len: int = 1) -> list[list[int]]:
     """Greedy decoding of ``src_tokens`` (B, S) (EOS-terminated, right- or left-padded with pad).
@@ -211,7 +218,7 @@ def greedy(model, src_tokens: torch.Tensor, max_len_a: float = 0.0, max_len_b: i
     beam=1 result it equals."""
     with _inference(model):
         src = _prepare(model, src_tokens)
-        return _one_best(model, src, lambda scores: scores.argmax(dim=-1), max_len_a, max_len_b,
+        return _one_best(model, src, _largest, max_len_a, max_len_b,
                          unk_penalty, min_len, normalize=False)
 
 

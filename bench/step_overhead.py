@@ -1,0 +1,206 @@
+"""One compiled decoder step of one row, called again and again: what it costs around its kernels,
+and the same step compiled ahead of time.
+
+    python bench/step_overhead.py --model runs/multi30k_en_de_admin/avg2.pt \
+        --src data/multi30k_en_de/test.en --aoti
+
+The first sentence of --src is decoded greedily with the compiled step (translate.py --compile)
+up to its 10th position; what the step was given there (its tokens, caches and encoder output) is
+kept, and then, in interleaved rounds of --calls calls (the order alternating; the caches' 11th
+position is written again at each call):
+- the step (``CompiledDecoderStep.__call__``: the search's call);
+- its compiled graph alone, with the arguments the step passes it (torch.compile's guards and
+  wrapper, and the kernels);
+- with --aoti, the same computation exported (torch.export, the cache capacity, the cached
+  positions and the source length symbolic) and compiled ahead of time by AOTInductor with the
+  step's inductor options: no guards and no Python between the kernels. Its logits are compared
+  with the step's.
+The steps' logits must agree: the largest difference is reported. Best and median of --repeats
+rounds, appended to --out with the command, date and hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+import decode as bench_decode  # noqa: E402  (bench/ is not a package)
+
+POSITION = 10
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="run directory or model file")
+    p.add_argument("--src", type=Path, required=True, help="source sentences, one per line")
+    p.add_argument("--threads", type=bench_decode._positive, default=2)
+    p.add_argument("--calls", type=bench_decode._positive, default=300)
+    p.add_argument("--repeats", type=bench_decode._positive, default=8)
+    p.add_argument("--aoti", action="store_true", help="also the step compiled ahead of time (AOTInductor)")
+    p.add_argument("--out", type=Path, default=REPO / "bench/step_overhead_results.md")
+    args = p.parse_args(argv)
+    for name in ("model", "src"):
+        if not getattr(args, name).exists():
+            p.error(f"--{name} {getattr(args, name)}: no such file or directory")
+    return args
+
+
+def captured_step(model, src):
+    """(step, its arguments at POSITION: tokens, enc, src_pad, state) of greedy decoding ``src``."""
+    from admin_ds.inference import decode
+    from admin_ds.inference.step import decoder_step
+
+    step = decoder_step(model)
+    seen = {}
+    call = type(step).__call__
+
+    def capture(self, tokens, enc, src_pad, state):
+        if state.length == POSITION and not seen:
+            seen.update(tokens=tokens.clone(), enc=enc, src_pad=src_pad, state=state)
+        return call(self, tokens, enc, src_pad, state)
+
+    type(step).__call__ = capture
+    try:
+        decode.greedy(model, src, max_len_a=0, max_len_b=POSITION + 2, min_len=POSITION + 2)
+    finally:
+        type(step).__call__ = call
+    return step, seen
+
+
+def graph_arguments(step, seen):
+    """What the step passes its compiled graph at POSITION: (tokens (R,), *caches, mask)."""
+    captured = {}
+    layers = type(step)._layers
+
+    def keep(self, tokens, caches, mask):
+        captured.update(tokens=tokens.reshape(-1).clone(), caches=caches, mask=mask)
+        return layers(self, tokens, caches, mask)
+
+    type(step)._layers = keep
+    try:
+        seen["state"].length = POSITION
+        step(seen["tokens"], seen["enc"], seen["src_pad"], seen["state"])
+    finally:
+        type(step)._layers = layers
+    return captured
+
+
+def ahead_of_time(step, captured, options: dict, folder: Path):
+    """The step's graph exported with symbolic sizes and compiled by AOTInductor: (runner, its
+    arguments). The cached positions become the size of an argument ``filled`` (n,)."""
+    import torch
+    from torch import nn
+    from torch.export import Dim
+
+    from admin_ds.inference.step import _Caches
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = step.model
+
+        def forward(self, tokens, keys, values, encoder_keys, encoder_values, filled, mask):
+            caches = _Caches(list(keys), list(values), encoder_keys, encoder_values, filled.size(0), None)
+            return step._decoder(tokens, caches, mask)
+
+    c = captured["caches"]
+    args = (captured["tokens"], tuple(c.keys), tuple(c.values), c.encoder_keys, c.encoder_values,
+            torch.zeros(c.length), captured["mask"])
+    capacity, source, filled = Dim("capacity", min=4, max=2048), Dim("source", min=2, max=1024), Dim("n", min=2,
+                                                                                                       max=1023)
+    per_layer = tuple({2: capacity} for _ in c.keys)
+    shapes = (None, per_layer, per_layer, {4: source}, {3: source}, {0: filled}, {2: source})
+    # Exported and compiled from copies made outside inference mode (the caches are inference tensors).
+    example = [tuple(t.clone() for t in a) if isinstance(a, tuple) else a.clone() for a in args]
+    program = torch.export.export(Step().eval(), tuple(example), dynamic_shapes=shapes, strict=False)
+    options = {k: v for k, v in options.items() if k != "guard_filter_fn"}
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(folder / "step.pt2"),
+                                                    inductor_configs=options)
+    return torch._inductor.aoti_load_package(path), args
+
+
+def interleaved(runs: dict, calls: int, repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each of ``runs``, ``repeats`` rounds of ``calls`` calls, the order
+    reversed every other round."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up
+        for _ in range(20):
+            runs[name]()
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            for _ in range(calls):
+                runs[name]()
+            times[name].append((time.perf_counter() - start) / calls)
+    return times
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from admin_ds.inference.allocator import tune_malloc_for_decoding
+    from admin_ds.inference.model_file import build_from_model_file, load_any
+    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.step import COMPILE_OPTIONS, _frozen
+
+    torch.set_num_threads(args.threads)
+    tune_malloc_for_decoding()
+    model, subword = build_from_model_file(load_any(args.model))
+    model = optimize_for_decoding(model, "fp32", compile_step=True)
+    line = next(line for line in args.src.read_text(encoding="utf-8").splitlines() if line.strip())
+    step, seen = captured_step(model, bench_decode.source_batch(subword, model.cfg, [line]))
+    if not seen:
+        raise SystemExit(f"the step never reached position {POSITION}")
+    captured = graph_arguments(step, seen)
+    graph_args = (captured["tokens"], *captured["caches"], captured["mask"])
+
+    def whole_step():
+        seen["state"].length = POSITION
+        return step(seen["tokens"], seen["enc"], seen["src_pad"], seen["state"])
+
+    runs = {"the step (the search's call)": whole_step,
+            "its compiled graph alone": lambda: _frozen(step._compiled, *graph_args)}
+    with torch.inference_mode():
+        want = whole_step().clone()
+    differences = {name: 0.0 for name in runs}
+    if args.aoti:
+        with tempfile.TemporaryDirectory() as folder:
+            start = time.perf_counter()
+            runner, aoti_args = ahead_of_time(step, captured, COMPILE_OPTIONS, Path(folder))
+            print(f"compiled ahead of time in {time.perf_counter() - start:.0f} s", flush=True)
+            runs["compiled ahead of time (AOTInductor)"] = lambda: runner(*aoti_args)
+    with torch.inference_mode():
+        for name, run in runs.items():
+            got = run()
+            got = got[0] if isinstance(got, (list, tuple)) else got
+            differences[name] = float((got.reshape(want.shape) - want).abs().max())
+        times = interleaved(runs, args.calls, args.repeats)
+
+    rows = [f"| {name} | {min(t) * 1e6:.0f} | {statistics.median(t) * 1e6:.0f} | {differences[name]:.2g} |"
+            for name, t in times.items()]
+    report = ["# One compiled decoder step, called again and again (bench/step_overhead.py)", "",
+              f"- command: `python bench/step_overhead.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+              f"- date: {datetime.date.today().isoformat()}; hardware: {bench_decode.hardware()}",
+              f"- torch {torch.__version__}, {args.threads} threads; one row at position {POSITION} of the first "
+              f"sentence of {args.src.name}; {args.repeats} interleaved rounds of {args.calls} calls", "",
+              "| call | best us | median us | largest logit difference from the step's |", "|---|---:|---:|---:|",
+              *rows, ""]
+    print("\n".join(report), flush=True)
+    with open(args.out, "a", encoding="utf-8") as f:
+        f.write("\n".join(report) + "\n")
+    print(f"appended to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
