@@ -36,11 +36,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import decode as bench_decode  # noqa: E402  (bench/ is not a package)
 
+from admin_ds.arguments import existing_path, input_file  # noqa: E402
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True, help="run directory or model file")
-    p.add_argument("--src", type=Path, required=True, help="source sentences, one per line")
+    p.add_argument("--model", type=existing_path, required=True, help="run directory or model file")
+    p.add_argument("--src", type=input_file, required=True, help="source sentences, one per line")
     p.add_argument("--batches", type=bench_decode._positive, nargs="+", default=[1, 64])
     p.add_argument("--sentences", type=bench_decode._positive, default=64)
     p.add_argument("--beam", type=bench_decode._positive, default=4)
@@ -49,11 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=bench_decode._positive, default=4)
     p.add_argument("--compile", action="store_true", help="a compiled decoder step (translate.py --compile)")
     p.add_argument("--out", type=Path, default=REPO / "bench/decode_parts_results.md")
-    args = p.parse_args(argv)
-    for name in ("model", "src"):
-        if not getattr(args, name).exists():
-            p.error(f"--{name} {getattr(args, name)}: no such file or directory")
-    return args
+    return p.parse_args(argv)
 
 
 class Timers:

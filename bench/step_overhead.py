@@ -34,23 +34,21 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import decode as bench_decode  # noqa: E402  (bench/ is not a package)
 
+from admin_ds.arguments import existing_path, input_file  # noqa: E402
+
 POSITION = 10
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, required=True, help="run directory or model file")
-    p.add_argument("--src", type=Path, required=True, help="source sentences, one per line")
+    p.add_argument("--model", type=existing_path, required=True, help="run directory or model file")
+    p.add_argument("--src", type=input_file, required=True, help="source sentences, one per line")
     p.add_argument("--threads", type=bench_decode._positive, default=2)
     p.add_argument("--calls", type=bench_decode._positive, default=300)
     p.add_argument("--repeats", type=bench_decode._positive, default=8)
     p.add_argument("--aoti", action="store_true", help="also the step compiled ahead of time (AOTInductor)")
     p.add_argument("--out", type=Path, default=REPO / "bench/step_overhead_results.md")
-    args = p.parse_args(argv)
-    for name in ("model", "src"):
-        if not getattr(args, name).exists():
-            p.error(f"--{name} {getattr(args, name)}: no such file or directory")
-    return args
+    return p.parse_args(argv)
 
 
 def captured_step(model, src):
