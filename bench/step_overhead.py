@@ -15,8 +15,11 @@ position is written again at each call):
   positions and the source length symbolic) and compiled ahead of time by AOTInductor with the
   step's inductor options: no guards and no Python between the kernels. Its logits are compared
   with the step's.
-The steps' logits must agree: the largest difference is reported. Best and median of --repeats
-rounds, appended to --out with the command, date and hardware.
+The steps' logits must agree: the largest difference is reported. With --greedy N, the first N
+sentences are then decoded greedily one at a time, with the compiled step and with the ahead-of-time
+build in its graph's place wherever it computes that graph (one row, from the third position on),
+in interleaved rounds, outputs compared. Best and median of --repeats rounds, appended to --out
+with the command, date and hardware.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import decode as bench_decode  # noqa: E402  (bench/ is not a package)
 
-from admin_ds.arguments import existing_path, input_file  # noqa: E402
+from admin_ds.arguments import existing_path, input_file, int_in  # noqa: E402
 
 POSITION = 10
 
@@ -47,8 +50,13 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=bench_decode._positive, default=300)
     p.add_argument("--repeats", type=bench_decode._positive, default=8)
     p.add_argument("--aoti", action="store_true", help="also the step compiled ahead of time (AOTInductor)")
+    p.add_argument("--greedy", type=int_in(0), default=0, metavar="N",
+                   help="with --aoti: also greedy decoding of the first N sentences one at a time, both ways")
     p.add_argument("--out", type=Path, default=REPO / "bench/step_overhead_results.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.greedy and not args.aoti:
+        p.error("--greedy compares with the ahead-of-time step: add --aoti")
+    return args
 
 
 def captured_step(model, src):
@@ -110,8 +118,10 @@ def ahead_of_time(step, captured, options: dict, folder: Path):
             return step._decoder(tokens, caches, mask)
 
     c = captured["caches"]
+    # The mask contiguous: the step's is expanded over the heads (stride 0 for one sentence), and
+    # the ahead-of-time build checks no strides, it takes those it was exported with.
     args = (captured["tokens"], tuple(c.keys), tuple(c.values), c.encoder_keys, c.encoder_values,
-            torch.zeros(c.length), captured["mask"])
+            torch.zeros(c.length), captured["mask"].contiguous())
     capacity, source, filled = Dim("capacity", min=4, max=2048), Dim("source", min=2, max=1024), Dim("n", min=2,
                                                                                                        max=1023)
     per_layer = tuple({2: capacity} for _ in c.keys)
@@ -125,13 +135,53 @@ def ahead_of_time(step, captured, options: dict, folder: Path):
     return torch._inductor.aoti_load_package(path), args
 
 
-def interleaved(runs: dict, calls: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each of ``runs``, ``repeats`` rounds of ``calls`` calls, the order
-    reversed every other round."""
+def in_place_of_graph(step, runner) -> None:
+    """``step`` runs ``runner`` (``ahead_of_time``) where it would run the graph that was exported:
+    one row, no cache reordered in place, from the third position on."""
+    import torch
+
+    graph = step._layers
+    contiguous = {}
+
+    def layers(tokens, caches, mask):
+        if caches.origins is not None or tokens.size(0) != 1 or caches.length < 2:
+            return graph(tokens, caches, mask)
+        if contiguous.get("of") is not mask:  # the same mask all through a sentence
+            contiguous.update(of=mask, mask=mask.contiguous())
+        out = runner(tokens.reshape(-1).clone(), tuple(caches.keys), tuple(caches.values), caches.encoder_keys,
+                     caches.encoder_values, torch.empty(caches.length), contiguous["mask"])
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+    step._layers = layers
+
+
+def greedy_rounds(model, step, runner, srcs: list, repeats: int) -> tuple[dict[str, list[float]], bool]:
+    """Seconds per round of greedy decoding ``srcs`` one after another, with the compiled step and
+    with ``runner`` in place of its graph; whether both gave the same outputs."""
+    from admin_ds.inference import decode
+
+    def search(ahead: bool):
+        def run():
+            if ahead:
+                in_place_of_graph(step, runner)
+            try:
+                return [h for src in srcs for h in decode.greedy(model, src, max_len_a=0, max_len_b=128)]
+            finally:
+                vars(step).pop("_layers", None)
+        return run
+
+    runs = {"greedy, the compiled step": search(False), "greedy, ahead of time from the third position": search(True)}
+    same = runs["greedy, the compiled step"]() == runs["greedy, ahead of time from the third position"]()
+    return interleaved(runs, 1, repeats, warmup=1), same
+
+
+def interleaved(runs: dict, calls: int, repeats: int, warmup: int = 20) -> dict[str, list[float]]:
+    """Seconds per call of each of ``runs``, ``repeats`` rounds of ``calls`` calls (after
+    ``warmup`` calls), the order reversed every other round."""
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for name in names:  # warm-up
-        for _ in range(20):
+    for name in names:
+        for _ in range(warmup):
             runs[name]()
     for r in range(repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
@@ -184,6 +234,15 @@ def main(argv=None) -> int:
             differences[name] = float((got.reshape(want.shape) - want).abs().max())
         times = interleaved(runs, args.calls, args.repeats)
 
+    searches = []
+    if args.aoti and args.greedy > 0:
+        lines = [line for line in args.src.read_text(encoding="utf-8").splitlines() if line.strip()][:args.greedy]
+        srcs = [bench_decode.source_batch(subword, model.cfg, [line]) for line in lines]
+        greedy_times, same = greedy_rounds(model, step, runner, srcs, args.repeats)
+        searches = [f"Greedy decoding of the first {len(srcs)} sentences one at a time, ms per round:", "",
+                    "| search | best ms | median ms | same outputs |", "|---|---:|---:|---|",
+                    *(f"| {name} | {min(t) * 1e3:.0f} | {statistics.median(t) * 1e3:.0f} | {'yes' if same else 'NO'} |"
+                      for name, t in greedy_times.items()), ""]
     rows = [f"| {name} | {min(t) * 1e6:.0f} | {statistics.median(t) * 1e6:.0f} | {differences[name]:.2g} |"
             for name, t in times.items()]
     report = ["# One compiled decoder step, called again and again (bench/step_overhead.py)", "",
@@ -192,7 +251,7 @@ def main(argv=None) -> int:
               f"- torch {torch.__version__}, {args.threads} threads; one row at position {POSITION} of the first "
               f"sentence of {args.src.name}; {args.repeats} interleaved rounds of {args.calls} calls", "",
               "| call | best us | median us | largest logit difference from the step's |", "|---|---:|---:|---:|",
-              *rows, ""]
+              *rows, "", *searches]
     print("\n".join(report), flush=True)
     with open(args.out, "a", encoding="utf-8") as f:
         f.write("\n".join(report) + "\n")
