@@ -1,4 +1,4 @@
-"""Where a search's time goes, part by part; and two of its parts side by side with what they replaced.
+"""Where a search's time goes, part by part; and one of its parts side by side with what it replaced.
 
     python bench/decode_parts.py --model runs/multi30k_en_de_admin/avg2.pt \
         --src data/multi30k_en_de/test.en --batches 1 64 --compile
