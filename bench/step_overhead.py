@@ -122,8 +122,8 @@ def ahead_of_time(step, captured, options: dict, folder: Path):
     # the ahead-of-time build checks no strides, it takes those it was exported with.
     args = (captured["tokens"], tuple(c.keys), tuple(c.values), c.encoder_keys, c.encoder_values,
             torch.zeros(c.length), captured["mask"].contiguous())
-    capacity, source, filled = Dim("capacity", min=4, max=2048), Dim("source", min=2, max=1024), Dim("n", min=2,
-                                                                                                       max=1023)
+    capacity, source = Dim("capacity", min=4, max=2048), Dim("source", min=2, max=1024)
+    filled = Dim("n", min=2, max=step.model.cfg.max_positions - 1)  # a position past them has no embedding
     per_layer = tuple({2: capacity} for _ in c.keys)
     shapes = (None, per_layer, per_layer, {4: source}, {3: source}, {0: filled}, {2: source})
     # Exported and compiled from copies made outside inference mode (the caches are inference tensors).
