@@ -238,17 +238,21 @@ def decoders(args, threads: int, precision: str, ours: dict, subword, srcs: list
     return {(name, beam): (lambda fn=fn, beam=beam: fn(beam)) for name, fn in engines for beam in (1, K)}
 
 
-def interleaved(paths: dict, calls: int, repeats: int) -> dict[str, list[float]]:
+def interleaved(paths: dict, calls: int, repeats: int, warmup: int = 1,
+                alternate: bool = False) -> dict[str, list[float]]:
     """{name: seconds per call, one entry per round} of each zero-argument callable in ``paths``:
-    one warm-up call each, then ``repeats`` rounds in which every path runs ``calls`` times in turn."""
+    ``warmup`` calls each, then ``repeats`` rounds in which every path runs ``calls`` times in turn
+    (``alternate``: in reverse order every other round, so that neither always runs first)."""
     times: dict[str, list[float]] = {name: [] for name in paths}
     for f in paths.values():
-        f()
-    for _ in range(repeats):
-        for name, f in paths.items():
+        for _ in range(warmup):
+            f()
+    names = list(paths)
+    for r in range(repeats):
+        for name in (names[::-1] if alternate and r % 2 else names):
             t = time.perf_counter()
             for _ in range(calls):
-                f()
+                paths[name]()
             times[name].append((time.perf_counter() - t) / calls)
     return times
 

@@ -150,7 +150,8 @@ def main(argv=None) -> int:
             print(parts_rows[-1], flush=True)
 
             outputs = {before: search(batches, beam, before) for before in (False, True)}
-            times = _interleaved(lambda before: search(batches, beam, before), args.repeats)
+            times = bench_decode.interleaved({b: lambda b=b: search(batches, beam, b) for b in (False, True)}, 1,
+                                             args.repeats, warmup=0, alternate=True)
             compare_rows.append(_compared(label, times, outputs[False] == outputs[True]))
             print(compare_rows[-1], flush=True)
     report += ["| search | total ms | parts: ms (calls) |", "|---|---:|---|", *parts_rows, "",
@@ -206,18 +207,6 @@ def _best_call(f: Callable, x, calls: int = 200) -> float:
         if r:
             best = min(best, (time.perf_counter() - start) / calls)
     return best
-
-
-def _interleaved(run: Callable[[bool], object], repeats: int) -> dict[bool, list[float]]:
-    """Seconds of ``run(before)`` for before False and True, ``repeats`` rounds each, the order
-    alternating from round to round."""
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for r in range(repeats):
-        for before in ((False, True) if r % 2 == 0 else (True, False)):
-            start = time.perf_counter()
-            run(before)
-            times[before].append(time.perf_counter() - start)
-    return times
 
 
 def _compared(label: str, times: dict[bool, list[float]], same: bool) -> str:

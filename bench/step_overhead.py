@@ -172,24 +172,7 @@ def greedy_rounds(model, step, runner, srcs: list, repeats: int) -> tuple[dict[s
 
     runs = {"greedy, the compiled step": search(False), "greedy, ahead of time from the third position": search(True)}
     same = runs["greedy, the compiled step"]() == runs["greedy, ahead of time from the third position"]()
-    return interleaved(runs, 1, repeats, warmup=1), same
-
-
-def interleaved(runs: dict, calls: int, repeats: int, warmup: int = 20) -> dict[str, list[float]]:
-    """Seconds per call of each of ``runs``, ``repeats`` rounds of ``calls`` calls (after
-    ``warmup`` calls), the order reversed every other round."""
-    names = list(runs)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for name in names:
-        for _ in range(warmup):
-            runs[name]()
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            start = time.perf_counter()
-            for _ in range(calls):
-                runs[name]()
-            times[name].append((time.perf_counter() - start) / calls)
-    return times
+    return bench_decode.interleaved(runs, 1, repeats, alternate=True), same
 
 
 def main(argv=None) -> int:
@@ -232,7 +215,7 @@ def main(argv=None) -> int:
             got = run()
             got = got[0] if isinstance(got, (list, tuple)) else got
             differences[name] = float((got.reshape(want.shape) - want).abs().max())
-        times = interleaved(runs, args.calls, args.repeats)
+        times = bench_decode.interleaved(runs, args.calls, args.repeats, warmup=20, alternate=True)
 
     searches = []
     if args.aoti and args.greedy > 0:
