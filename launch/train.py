@@ -42,10 +42,12 @@ def main(argv=None, hooks=None) -> int:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from admin_ds.errors import UserError
+    from admin_ds.train import ds_config
     from admin_ds.train.run_config import load_run_config
 
     try:
         run = load_run_config(args.config, overrides)
+        ds_config.read(args.deepspeed_config)  # refused before torch and DeepSpeed are imported
         if args.profile_only:
             run.admin.profile_only = True
         if args.profile:

@@ -1,7 +1,10 @@
 """Shared fixtures: a small generated corpus, prepared once per session, and one Admin profile
 shared by runs whose layouts must not change omega."""
 
+import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -11,6 +14,22 @@ from launching import check, clean_env, losses, run_args
 NO_DROPOUT = ["--model.dropout_p=0", "--model.attention_dropout_p=0", "--model.activation_dropout_p=0"]
 ZERO = {s: {"zero_optimization": {"stage": s}, "gradient_accumulation_steps": 1} for s in (0, 1, 2, 3)}
 PIPE = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2}
+
+
+def pytest_configure(config):
+    """torch.compile's on-disk caches (compiled graphs, generated kernels, autotuning results) in
+    a folder of this session, removed at its end, unless TORCHINDUCTOR_CACHE_DIR is set: every
+    test that compiles compiles, as on a fresh machine, instead of loading what an earlier run
+    left in the system's temporary folder. Subprocesses inherit the variable."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        config.inductor_cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="admin-ds-inductor-")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "inductor_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 def overrides(tmp, data_dir, *extra) -> list:

@@ -22,6 +22,9 @@ defaults plus the keys the pipeline engine reads) and those a pydantic model val
 from __future__ import annotations
 
 import difflib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from admin_ds.errors import ConfigError
@@ -103,6 +106,26 @@ def _closest(key: str, known) -> str:
 def _type_name(value: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "true/false", type(None): "null"}.get(
         type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def read(path: str | os.PathLike) -> dict:
+    """The JSON object in ``path``; a missing file, a directory, bytes that are not UTF-8, invalid
+    JSON or another top level are refused, naming the file (and the line). Needs neither torch nor
+    DeepSpeed, so launch/train.py refuses such a file before importing them."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--deepspeed_config: {p} is a directory, not a DeepSpeed JSON file")
+    if not p.is_file():
+        raise ConfigError(f"--deepspeed_config: no such file: {p}")
+    try:
+        ds = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file (a DeepSpeed JSON is expected)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{p}: the top level must be a JSON object, got {type(ds).__name__}")
+    return ds
 
 
 def check_types(ds: dict, source: str) -> None:

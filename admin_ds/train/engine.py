@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -71,20 +70,11 @@ def init_distributed(port: int = 29500, timeout_s: int = 600, connect_timeout_s:
 
 
 def load_ds_config(path: str | os.PathLike) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"--deepspeed_config: {p} is a directory, not a DeepSpeed JSON file")
-    if not p.is_file():
-        raise ConfigError(f"--deepspeed_config: no such file: {p}")
-    try:
-        ds = json.loads(p.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a UTF-8 text file (a DeepSpeed JSON is expected)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
-    if not isinstance(ds, dict):
-        raise ConfigError(f"{p}: the top level must be a JSON object, got {type(ds).__name__}")
-    _check(ds, str(p))
+    """The DeepSpeed JSON at ``path``, read (ds_config.read) and checked against DeepSpeed."""
+    from admin_ds.train import ds_config
+
+    ds = ds_config.read(path)
+    _check(ds, str(path))
     return ds
 
 
