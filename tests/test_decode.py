@@ -381,6 +381,24 @@ def test_decoding_turns_every_module_to_eval_and_puts_each_flag_back(copy_models
     assert [m.training for m in model.modules()] == flags
 
 
+def test_training_modules_are_those_modules_yields():
+    """decode's walk for the training modules against ``nn.Module.modules()``: the same modules,
+    each once, where one module is registered under two names, a child slot is None, and only
+    some subtrees are training."""
+    from admin_ds.inference.decode import _training_modules
+
+    shared = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Sequential(shared, torch.nn.Dropout()), shared,
+                                torch.nn.ModuleDict({"a": torch.nn.ReLU(), "b": torch.nn.Sequential(shared)}))
+    model.register_module("empty", None)
+    for flags in ([True] * 7, [False] * 7, [False, True, False, True, False, True, False]):
+        for module, flag in zip(model.modules(), flags):
+            module.training = flag
+        got = _training_modules(model)
+        assert len(got) == len({id(m) for m in got})
+        assert {id(m) for m in got} == {id(m) for m in model.modules() if m.training}
+
+
 # ---- 5. translate restores the input order -------------------------------------------------------
 
 

@@ -53,9 +53,9 @@ class Hypothesis:
 def _inference(model) -> Iterator[None]:
     """Every module in eval mode and inference_mode for the block; the modules that were training
     are put back after. Only those are switched: eval() and train() set the flag on every module
-    through nn.Module.__setattr__ (~0.4 ms each on a 6+6-layer model of 209 modules, against
-    ~0.1 ms to find the training ones), at every batch."""
-    training = [m for m in model.modules() if m.training]
+    through nn.Module.__setattr__ (~0.4 ms each on a 6+6-layer model of 209 modules), at every
+    batch, which is every sentence when they are decoded one at a time."""
+    training = _training_modules(model)
     for m in training:
         m.training = False
     try:
@@ -64,6 +64,22 @@ def _inference(model) -> Iterator[None]:
     finally:
         for m in training:
             m.training = True
+
+
+def _training_modules(model) -> list:
+    """The modules of ``model`` (itself included) in training mode, each once. A walk over the
+    children, not ``model.modules()``, whose nested generators pass every module up through each
+    level above it: on a 6+6-layer model of 208 modules 0.09 ms against 0.2-0.32 ms a call."""
+    found, seen, todo = [], {id(model)}, [model]
+    while todo:
+        module = todo.pop()
+        if module.training:
+            found.append(module)
+        for child in module._modules.values():
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
+    return found
 
 
 def _specials(model) -> tuple[int, int, int, int]:
