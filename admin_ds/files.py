@@ -1,4 +1,5 @@
-"""Files: atomic writes and digests, the two things every step that leaves a file behind needs.
+"""Files: atomic writes and digests, the two things every step that leaves a file behind needs,
+and the text of a configuration file.
 
 Atomic writes. A reader sees the old file or the complete new one, never a torn one: write to a
 uniquely named temporary sibling, fsync it, ``os.replace`` it over the target, then fsync the
@@ -10,7 +11,11 @@ Digests. ``sha256_file`` is the one content hash of the project (data manifests,
 ``COMPLETE`` markers, model files, data-preparation step records); ``file_digest`` pairs it with
 the size, which is checked first because it is free.
 
-This module imports no torch: data preparation's worker processes use it.
+Configuration files. ``read_config_text`` refuses a directory, a missing file and bytes that are
+not UTF-8 with one line naming the option and the file (the run config YAML, the DeepSpeed JSON).
+
+This module imports no torch: data preparation's worker processes use it, and launch/train.py
+refuses a bad configuration file before importing torch.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+from admin_ds.errors import ConfigError
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
@@ -136,3 +143,17 @@ def describe_os_error(e: OSError) -> str:
         except OSError:
             pass
     return text
+
+
+def read_config_text(path: str | os.PathLike, option: str, kind: str) -> str:
+    """The UTF-8 text of the configuration file ``path`` given as ``option`` (``--config``), a
+    ``kind`` (``"YAML run config"``); a ConfigError naming the option or the file otherwise."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{option}: {p} is a directory, not a {kind}")
+    if not p.is_file():
+        raise ConfigError(f"{option}: no such file: {p}")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not a UTF-8 text file (a {kind} is expected)") from None

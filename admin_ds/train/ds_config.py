@@ -24,10 +24,10 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from admin_ds.errors import ConfigError
+from admin_ds.files import read_config_text
 
 # Keys DeepSpeed's pipeline engine reads from the "pipeline" section (runtime/pipe/engine.py), and
 # the defaults DeepSpeed merges it into (runtime/config.py get_pipeline_config); "stages" is
@@ -112,19 +112,13 @@ def read(path: str | os.PathLike) -> dict:
     """The JSON object in ``path``; a missing file, a directory, bytes that are not UTF-8, invalid
     JSON or another top level are refused, naming the file (and the line). Needs neither torch nor
     DeepSpeed, so launch/train.py refuses such a file before importing them."""
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"--deepspeed_config: {p} is a directory, not a DeepSpeed JSON file")
-    if not p.is_file():
-        raise ConfigError(f"--deepspeed_config: no such file: {p}")
+    text = read_config_text(path, "--deepspeed_config", "DeepSpeed JSON file")
     try:
-        ds = json.loads(p.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"{p}: not a UTF-8 text file (a DeepSpeed JSON is expected)") from None
+        ds = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+        raise ConfigError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
     if not isinstance(ds, dict):
-        raise ConfigError(f"{p}: the top level must be a JSON object, got {type(ds).__name__}")
+        raise ConfigError(f"{path}: the top level must be a JSON object, got {type(ds).__name__}")
     return ds
 
 

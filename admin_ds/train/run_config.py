@@ -27,6 +27,7 @@ from typing import Any, Optional
 import yaml
 
 from admin_ds.errors import ConfigError
+from admin_ds.files import read_config_text
 from admin_ds.model.config import ModelConfig
 from admin_ds.model.presets import PRESET_NAMES, get_preset
 
@@ -274,14 +275,7 @@ def load_run_config(path: Optional[str], overrides: list[str]) -> RunConfig:
     cfg = RunConfig()
     if path:
         p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"--config: {p} is a directory, not a YAML run config")
-        if not p.is_file():
-            raise ConfigError(f"--config: no such file: {p}")
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            raise ConfigError(f"{p}: not a UTF-8 text file (a YAML run config is expected)") from None
+        text = read_config_text(p, "--config", "YAML run config")
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
