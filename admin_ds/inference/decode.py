@@ -69,7 +69,7 @@ def _inference(model) -> Iterator[None]:
 def _training_modules(model) -> list:
     """The modules of ``model`` (itself included) in training mode, each once. A walk over the
     children, not ``model.modules()``, whose nested generators pass every module up through each
-    level above it: on a 6+6-layer model of 208 modules 0.09 ms against 0.2-0.32 ms a call."""
+    level above it: on a 6+6-layer model of 208 modules 75-94 us against 178-363 us a call."""
     found, seen, todo = [], {id(model)}, [model]
     while todo:
         module = todo.pop()
