@@ -838,8 +838,10 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     marked symbolic) against model.decode on an Admin model: logits of three beams per sentence,
     reordered between steps, over sources of mixed lengths, the cache grown from 2 positions; then
     beam search (sentences finishing and leaving the batch) against the flat step's, with its
-    scores. Every position runs compiled, the first ones included; the logits read encoder keys and
-    values cached eagerly by the step, beam search those of the compiled encoder. Compiling takes one to two
+    scores, on a batch of two sentences and one of eight: steps of few rows and of many, and
+    encoders of few source tokens and of many, each in their own graphs (all four must run). Every
+    position runs compiled, the first ones included; the logits read encoder keys and values cached
+    eagerly by the step, beam search those of the compiled encoder. Compiling takes one to two
     minutes here; it is done once. (Greedy, one hypothesis per sentence, is two more graphs, a
     minute more: bench/decode.py --compile checks its output.)
 
@@ -872,11 +874,22 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     assert counters["stats"]["unique_graphs"] > graphs  # compiled, not run eagerly
     assert_same_step_logits(got, want, int8=False)
 
+    # Few rows and many, few source tokens and many, run in graphs of their own: two sentences
+    # (8 rows, at most 16 tokens) and eight, each batch with both kinds of step.
+    ran = []
+    frozen = step_module._frozen
+    monkeypatch.setattr(step_module, "_frozen", lambda compiled, *args: ran.append(compiled) or frozen(compiled, *args))
+    monkeypatch.setattr(step, "few_rows", 4)
+    monkeypatch.setattr(step, "few_tokens", 16)
     many, _ = sources(21, 10)
+    assert int(many[:2].ne(PAD).sum()) <= 16 < int(many[2:].ne(PAD).sum())
     kw = dict(max_len_a=1.0, max_len_b=2)
-    got, want = (beam_search(m, many, beam=4, nbest=2, **kw) for m in (compiled, flat))
-    assert [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in want]
-    assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
+    for batch in (many[:2], many[2:]):
+        got, want = (beam_search(m, batch, beam=4, nbest=2, **kw) for m in (compiled, flat))
+        assert [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in want]
+        assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
+    graphs = (step._compiled, step._compiled_many, step._compiled_encoder, step._compiled_encoder_many)
+    assert [sum(g is c for c in ran) > 0 for g in graphs] == [True] * 4
 
 
 def test_compiled_decoder_step_refused_off_cpu_fp32_and_with_int8(copy_models):

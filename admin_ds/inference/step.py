@@ -268,10 +268,11 @@ class DecoderStep:
 
 
 # torch.compile's inductor options for CompiledDecoderStep: the weights folded in as constants
-# (freezing), and each product benchmarked once between a C++ matrix-product kernel generated for
-# its shape (inductor's CPP GEMM template, over the weight packed at compile time) and the library
-# call (ATen's). On the 2-core AMD EPYC the generated kernels won at every shape of a step, and
-# streamed a step's weights ~1.3x faster than oneDNN's packed products (BENCHMARKS.md). The
+# (freezing), and (in the graphs of few rows, CompiledDecoderStep.few_rows) each product
+# benchmarked once between a C++ matrix-product kernel generated for its shape (inductor's CPP
+# GEMM template, over the weight packed at compile time) and the library call (ATen's). On the
+# 2-core AMD EPYC the generated kernels won at every shape of a one-row step, and streamed a
+# step's weights ~1.3x faster than oneDNN's packed products (BENCHMARKS.md). The
 # template alone fails on some shapes (no valid choice), hence ATen beside it.
 # The benchmark's tables and statistics are not printed. A call's own cost counts at one
 # sentence, so the generated code does not check the size and alignment of each kernel's result
@@ -300,8 +301,9 @@ class CompiledDecoderStep(DecoderStep):
     cached and source positions, sentences) are symbolic from the first graph; torch.compile makes
     a size or count of 0 or 1 a constant. So the position count, a Python int, makes three graphs
     of a step (the first position, with nothing cached; the second; every later one), and one
-    sentence and several make two of the encoder. A greedy and a beam search, one sentence or
-    many, then make a dozen graphs or so, not one per shape. Measured against DecoderStep and
+    sentence and several make two of the encoder. Few rows and many (``few_rows``, ``few_tokens``)
+    have graphs of their own, autotuned and not. A greedy and a beam search, one sentence or many,
+    then make one to two dozen graphs, not one per shape. Measured against DecoderStep and
     CTranslate2: BENCHMARKS.md."""
 
     # One graph for every batch, with or without source padding alike (a mask of zeros is free
@@ -314,13 +316,30 @@ class CompiledDecoderStep(DecoderStep):
 
         super().__init__(model)
         self.encoder_kv = _stacked_encoder_kv(self.encoder_attentions)
-        options = dict(COMPILE_OPTIONS, guard_filter_fn=_argument_guards)
-        self._compiled = torch.compile(_own_code(self._decoder_of), options=options)
-        self._compiled_encoder = torch.compile(_own_code(self._encoder), options=options)
+        few = dict(COMPILE_OPTIONS, guard_filter_fn=_argument_guards)
+        many = dict(few, max_autotune=False)
+        self._compiled = torch.compile(_own_code(self._decoder_of), options=few)
+        self._compiled_many = torch.compile(_own_code(self._decoder_of), options=many)
+        self._compiled_encoder = torch.compile(_own_code(self._encoder), options=few)
+        self._compiled_encoder_many = torch.compile(_own_code(self._encoder), options=many)
         # Inductor's own use of a deprecated storage API, once per benchmarked product.
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module=r"torch\._inductor\.")
         # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+
+    # Up to how many rows a step, and up to how many real source tokens the encoder, runs in the
+    # autotuned graphs (COMPILE_OPTIONS); above, in graphs whose products are ATen's (oneDNN's, not
+    # autotuned). Autotuning times the candidate kernels at the sizes of the call that compiles a
+    # graph, and its choice then serves every size of that symbolic graph: compiled at 2 rows,
+    # inductor's C++ kernels multiplied 64 rows by a step's larger weights at ~100 GFLOP/s against
+    # ~175-220 for ATen's in the same graph (bench/compiled_products.py). Up to 8 rows they took 0.57-1.02x ATen's time,
+    # at 16 rows 0.77-1.44x (about level over a step's products), and greedy decoding 16
+    # sentences at a time was slower with ATen's products from 9 rows. So few rows and many have
+    # graphs of their own, and a process's first batch no longer decides how fast its later ones
+    # run (BENCHMARKS.md). The encoder of one ~15-token sentence: 2.52 ms autotuned against
+    # 3.19 ms with ATen's products.
+    few_rows = 16
+    few_tokens = 32
 
     # Room for this position and one more: the cache never grows inside the graph, and the filled
     # prefix never spans a whole buffer (a view of all of it would be another graph).
@@ -335,7 +354,8 @@ class CompiledDecoderStep(DecoderStep):
         torch._dynamo.maybe_mark_dynamic(src_tokens, [0, 1])
         torch._dynamo.maybe_mark_dynamic(src_pad, [0, 1])
         torch._dynamo.maybe_mark_dynamic(index, 0)
-        enc, k, v = _frozen(self._compiled_encoder, src_tokens, src_pad, index)
+        compiled = self._compiled_encoder if index.size(0) <= self.few_tokens else self._compiled_encoder_many
+        enc, k, v = _frozen(compiled, src_tokens, src_pad, index)
         state.set_encoder_stack(self.cross_keys, k, v)
         return enc, src_pad
 
@@ -402,7 +422,8 @@ class CompiledDecoderStep(DecoderStep):
         torch._dynamo.maybe_mark_dynamic(caches.encoder_values, [1, 3])
         if caches.origins is not None:
             torch._dynamo.maybe_mark_dynamic(caches.origins, [0, 1])
-        return _frozen(self._compiled, tokens, *caches, mask)
+        compiled = self._compiled if tokens.size(0) <= self.few_rows else self._compiled_many
+        return _frozen(compiled, tokens, *caches, mask)
 
     def _decoder_of(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                     encoder_keys: torch.Tensor, encoder_values: torch.Tensor, length: int,
