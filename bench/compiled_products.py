@@ -193,9 +193,7 @@ def main(argv=None) -> int:
               f"- date: {datetime.date.today().isoformat()}; hardware: {bench_decode.hardware()}",
               f"- torch {torch.__version__}, {args.threads} threads; compiled first at {args.hint} rows; "
               f"{args.repeats} interleaved rounds", "", *lines]
-    with open(args.out, "a", encoding="utf-8") as f:
-        f.write("\n".join(report) + "\n")
-    print(f"appended to {args.out}")
+    bench_decode.append_report(args.out, report)
     return 0
 
 

@@ -104,6 +104,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def append_report(path: Path, lines: list[str]) -> None:
+    """Append a report's lines to ``path`` (bench/*_results.md) and say where they went."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"appended to {path}")
+
+
 def hardware() -> str:
     model = platform.processor() or "unknown CPU"
     flags: list[str] = []

@@ -160,9 +160,7 @@ def main(argv=None) -> int:
                f"The choice alone, on random rows of {model.cfg.vocab_size} logits (us a call, best of 5 rounds):",
                "", "| rows | argmax | torch.max | argmax / torch.max |", "|---:|---:|---:|---:|",
                *_choice_rows(model.cfg.vocab_size), ""]
-    with open(args.out, "a", encoding="utf-8") as f:
-        f.write("\n".join(report) + "\n")
-    print(f"appended to {args.out}")
+    bench_decode.append_report(args.out, report)
     return 0
 
 

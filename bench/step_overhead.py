@@ -236,9 +236,7 @@ def main(argv=None) -> int:
               "| call | best us | median us | largest logit difference from the step's |", "|---|---:|---:|---:|",
               *rows, "", *searches]
     print("\n".join(report), flush=True)
-    with open(args.out, "a", encoding="utf-8") as f:
-        f.write("\n".join(report) + "\n")
-    print(f"appended to {args.out}")
+    bench_decode.append_report(args.out, report)
     return 0
 
 
