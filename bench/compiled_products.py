@@ -138,7 +138,6 @@ def main(argv=None) -> int:
     from torch import nn
 
     from admin_ds.inference.allocator import tune_malloc_for_decoding
-
     from admin_ds.inference.packed import PackedLinear, packed_linear_available
     from admin_ds.inference.step import COMPILE_OPTIONS, _frozen
 
