@@ -332,12 +332,12 @@ class CompiledDecoderStep(DecoderStep):
     # autotuned). Autotuning times the candidate kernels at the sizes of the call that compiles a
     # graph, and its choice then serves every size of that symbolic graph: compiled at 2 rows,
     # inductor's C++ kernels multiplied 64 rows by a step's larger weights at ~100 GFLOP/s against
-    # ~175-220 for ATen's in the same graph (bench/compiled_products.py). Up to 8 rows they took 0.57-1.02x ATen's time,
-    # at 16 rows 0.77-1.44x (about level over a step's products), and greedy decoding 16
-    # sentences at a time was slower with ATen's products from 9 rows. So few rows and many have
-    # graphs of their own, and a process's first batch no longer decides how fast its later ones
-    # run (BENCHMARKS.md). The encoder of one ~15-token sentence: 2.52 ms autotuned against
-    # 3.19 ms with ATen's products.
+    # ~175-220 for ATen's in the same graph (bench/compiled_products.py). Up to 8 rows they took
+    # 0.57-1.02x ATen's time, at 16 rows 0.77-1.44x (about level over a step's products), and
+    # greedy decoding 16 sentences at a time was slower with ATen's products from 9 rows. So few
+    # rows and many have graphs of their own, and a process's first batch no longer decides how
+    # fast its later ones run (BENCHMARKS.md). The encoder of one ~15-token sentence: 2.52 ms
+    # autotuned against 3.19 ms with ATen's products.
     few_rows = 16
     few_tokens = 32
 
