@@ -104,6 +104,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def trained_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model and --src, both required: the scripts that decode a trained model's real sentences."""
+    from admin_ds.arguments import existing_path, input_file
+
+    p.add_argument("--model", type=existing_path, required=True, help="run directory or model file")
+    p.add_argument("--src", type=input_file, required=True, help="source sentences, one per line")
+
+
 def append_report(path: Path, lines: list[str]) -> None:
     """Append a report's lines to ``path`` (bench/*_results.md) and say where they went."""
     with open(path, "a", encoding="utf-8") as f:

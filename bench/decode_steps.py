@@ -39,13 +39,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import decode as bench_decode  # noqa: E402  (bench/ is not a package)
 
-from admin_ds.arguments import existing_path, input_file  # noqa: E402
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=existing_path, required=True, help="run directory or model file")
-    p.add_argument("--src", type=input_file, required=True, help="source sentences, one per line")
+    bench_decode.trained_model_arguments(p)
     p.add_argument("--batches", type=bench_decode._positive, nargs="+", default=[1, 16, 64])
     p.add_argument("--lengths", type=bench_decode._positive, nargs=2, default=[8, 32], metavar=("SHORT", "LONG"),
                    help="target tokens per sentence (plus EOS) of the short and the long run")

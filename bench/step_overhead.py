@@ -37,15 +37,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 import decode as bench_decode  # noqa: E402  (bench/ is not a package)
 
-from admin_ds.arguments import existing_path, input_file, int_in  # noqa: E402
+from admin_ds.arguments import int_in  # noqa: E402
 
 POSITION = 10
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=existing_path, required=True, help="run directory or model file")
-    p.add_argument("--src", type=input_file, required=True, help="source sentences, one per line")
+    bench_decode.trained_model_arguments(p)
     p.add_argument("--threads", type=bench_decode._positive, default=2)
     p.add_argument("--calls", type=bench_decode._positive, default=300)
     p.add_argument("--repeats", type=bench_decode._positive, default=8)
