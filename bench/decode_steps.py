@@ -59,7 +59,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import ctranslate2  # noqa: F401  (before torch: one OpenMP runtime for both, bench/decode.py)
+    import ctranslate2  # before torch: one OpenMP runtime for both (bench/decode.py)
     import torch
 
     from admin_ds.inference.allocator import tune_malloc_for_decoding
