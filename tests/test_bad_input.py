@@ -1,6 +1,6 @@
 """Bad and hostile input to every command, through its real command line.
 
-Each case runs one entry point as a subprocess (train, prepare, backtranslate, translate, average,
+Each case runs one entry point as a process of its own (train, prepare, backtranslate, translate, average,
 export, evaluate, analyze, models, cluster_env) and asserts what a user must get: a non-zero exit,
 one ``error:`` line (or argparse's usage error) naming the file, field or argument, no traceback,
 and nothing written into the case's folder that a later step could take for complete (a
@@ -9,8 +9,9 @@ folder when it is unpickled, with the digests in ``COMPLETE`` rewritten to match
 loader: each refuses it and the folder is never created.
 
 The cases share one tiny run (4 updates, a checkpoint every 2) and its averaged model file; they
-only read them (checked at the end). Every case gets its own folder for what it changes, and the
-subprocesses run two at a time.
+only read them (checked at the end). Every case gets its own folder for what it changes. The
+commands run two at a time, each as ``python SCRIPT ARGS`` runs it, in a process forked from one that
+has imported torch already (tests/prefork.py: the import is most of a refused command's time).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -31,6 +33,7 @@ import torch
 
 from conftest import overrides
 from distributed import REPO
+from prefork import Prefork
 from test_data_prep import synthetic_corpus
 
 from admin_ds import safe_load
@@ -413,12 +416,11 @@ CASES = [
 ]
 
 
-def run_case(case: Case, shared: Shared, base: Path) -> dict:
+def run_case(case: Case, shared: Shared, base: Path, run: Prefork) -> dict:
     ctx = Ctx(shared, base / f"{case.command}-{case.id}")
     argv = [str(a) for a in case.argv(ctx)]
     before = snapshot(ctx.tmp)
-    proc = subprocess.run([sys.executable, str(REPO / SCRIPTS[case.command]), *argv], capture_output=True,
-                          text=True, env=ENV, cwd=ctx.tmp, timeout=600)
+    proc = run(REPO / SCRIPTS[case.command], argv, cwd=ctx.tmp, timeout=600)
     return {"proc": proc, "before": before, "after": snapshot(ctx.tmp), "marker": ctx.marker}
 
 
@@ -448,14 +450,27 @@ def shared(tmp_path_factory, data_dir) -> Shared:
 
 @pytest.fixture(scope="module")
 def results(request, shared, tmp_path_factory):
-    """Every selected case, run two at a time (they are independent processes)."""
+    """Every selected case, run two at a time (they are independent processes), each forked from a
+    process that has imported torch (tests/prefork.py)."""
     selected = [item.callspec.params["case"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec") and "case" in item.callspec.params]
     base = tmp_path_factory.mktemp("cases")
     before = {name: snapshot(path) for name, path in (("run", shared.run), ("data", shared.data))}
     before["model"] = hashlib.sha256(shared.model.read_bytes()).hexdigest()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        done = dict(zip((c.param.id for c in selected), pool.map(lambda c: run_case(c, shared, base), selected)))
+    with Prefork(ENV) as first, Prefork(ENV) as second:
+        servers = queue.SimpleQueue()
+        servers.put(first)
+        servers.put(second)
+
+        def run(case):
+            server = servers.get()
+            try:
+                return run_case(case, shared, base, server)
+            finally:
+                servers.put(server)
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            done = dict(zip((c.param.id for c in selected), pool.map(run, selected)))
     after = {name: snapshot(path) for name, path in (("run", shared.run), ("data", shared.data))}
     after["model"] = hashlib.sha256(shared.model.read_bytes()).hexdigest()
     done["shared unchanged"] = before == after
@@ -493,39 +508,41 @@ def test_shared_inputs_were_only_read(results):
 
 # ---- what is accepted: the fallbacks and the explicit override ---------------------------------
 
-def _cli(command, *argv, cwd):
-    return subprocess.run([sys.executable, str(REPO / SCRIPTS[command]), *map(str, argv)], capture_output=True,
-                          text=True, env=ENV, cwd=cwd, timeout=600)
+@pytest.fixture(scope="module")
+def cli():
+    """``cli(command, *argv, cwd=...)``: one command, as the cases run them (tests/prefork.py)."""
+    with Prefork(ENV) as run:
+        yield lambda command, *argv, cwd: run(REPO / SCRIPTS[command], argv, cwd=cwd, timeout=600)
 
 
-def test_run_dir_falls_back_past_a_corrupt_or_torn_checkpoint(shared, tmp_path):
+def test_run_dir_falls_back_past_a_corrupt_or_torn_checkpoint(shared, cli, tmp_path):
     """Given a run directory, a tag whose files do not match its digests is set aside with a
     warning and the previous one is used; so is a tag whose COMPLETE does not parse."""
     ctx = Ctx(shared, tmp_path / "c")
     run = ctx.copy_run()
     flip_byte(ctx.tag(run) / "mp_rank_00_model_states.pt", 0)
-    out = _cli("translate", "--checkpoint", run, "--input", shared.text, "--method", "greedy", "--quiet", cwd=tmp_path)
+    out = cli("translate", "--checkpoint", run, "--input", shared.text, "--method", "greedy", "--quiet", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "update_000004 is corrupt (mp_rank_00_model_states.pt does not match its sha256)" in out.stderr
     assert (run / "checkpoints/update_000004.corrupt/CORRUPT").is_file()
-    reference = _cli("translate", "--checkpoint", ctx.tag(shared.run, 2), "--input", shared.text, "--method",
-                     "greedy", "--quiet", cwd=tmp_path)
+    reference = cli("translate", "--checkpoint", ctx.tag(shared.run, 2), "--input", shared.text, "--method",
+                    "greedy", "--quiet", cwd=tmp_path)
     assert out.stdout == reference.stdout and out.stdout
 
     torn = Ctx(shared, tmp_path / "t")
     run = torn.copy_run()
     (torn.tag(run) / "COMPLETE").write_text('{"update": 4, "files": {')
-    out = _cli("translate", "--checkpoint", run, "--input", shared.text, "--method", "greedy", "--quiet", cwd=tmp_path)
+    out = cli("translate", "--checkpoint", run, "--input", shared.text, "--method", "greedy", "--quiet", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout == reference.stdout
 
 
-def test_trust_unverified_opens_an_old_model_file(shared, tmp_path):
+def test_trust_unverified_opens_an_old_model_file(shared, cli, tmp_path):
     ctx = Ctx(shared, tmp_path / "c")
     old = ctx.rewrite_model_file(sha256=None, version=1)
-    out = _cli("translate", "--checkpoint", old, "--input", shared.text, "--method", "greedy", "--quiet",
-               "--trust-unverified", cwd=tmp_path)
+    out = cli("translate", "--checkpoint", old, "--input", shared.text, "--method", "greedy", "--quiet",
+              "--trust-unverified", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    same = _cli("translate", "--checkpoint", shared.model, "--input", shared.text, "--method", "greedy", "--quiet",
-                cwd=tmp_path)
+    same = cli("translate", "--checkpoint", shared.model, "--input", shared.text, "--method", "greedy", "--quiet",
+               cwd=tmp_path)
     assert out.stdout == same.stdout and out.stdout

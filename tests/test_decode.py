@@ -721,19 +721,29 @@ def test_inference_rewrite_leaves_other_models_alone(copy_models, monkeypatch):
 # ---- 8b. the flat decoder step (admin_ds/inference/step.py) -------------------------------------
 
 
-def stepwise_logits(model, step, src, tgt, beams):
+def stepwise_logits(model, step, src, tgt, beams, like_beam_search=False):
     """Logits (R, T, V) of ``tgt`` (R = beams x sentences, each sentence's rows adjacent) decoded
     position by position through ``step``, with a beam-search-like reorder of the cached rows
-    after every position (rows of a sentence swapped among themselves)."""
+    after every position (rows of a sentence swapped among themselves). ``like_beam_search``: the
+    first position as beam search runs it, one row per sentence (``tgt``'s first column must be
+    the same in a sentence's rows) whose cache rows the reorder then spreads over its beams, and the
+    state made as beam search makes it (a compiled step keeps the caches in place)."""
     from admin_ds.model.layers import IncrementalState
 
     enc, src_pad = model.encode(src, skip_padding=True)
-    state, out = IncrementalState(capacity=2), []  # capacity 2: the cache grows while decoding
+    # capacity 2: the cache grows while decoding
+    state, out = IncrementalState(capacity=2, reorders_every_step=like_beam_search), []
     rows = tgt.size(0)
     swap = torch.arange(rows).view(-1, beams).flip(1).reshape(-1)
     for t in range(tgt.size(1)):
-        out.append(step(tgt[:, t:t + 1], enc, src_pad, state))
-        state.reorder(swap)
+        if t == 0 and like_beam_search:
+            spread = torch.arange(rows // beams).repeat_interleave(beams)
+            assert torch.equal(tgt[:, 0], tgt[::beams, 0].index_select(0, spread))
+            out.append(step(tgt[::beams, :1], enc, src_pad, state).index_select(0, spread))
+            state.reorder(spread.index_select(0, swap))
+        else:
+            out.append(step(tgt[:, t:t + 1], enc, src_pad, state))
+            state.reorder(swap)
         tgt = tgt.index_select(0, swap)
         out = [o.index_select(0, swap) for o in out]
     return torch.stack(out, 1)
@@ -869,8 +879,8 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     assert bool(src.eq(PAD).any())
     tgt = torch.cat([torch.full((4 * beams, 1), EOS), torch.randint(4, 1000, (4 * beams, 7))], dim=1)
     with torch.inference_mode():
-        want = stepwise_logits(flat, lambda *a: flat.decode(*a)[:, -1], src, tgt, beams)
-        got = stepwise_logits(compiled, step, src, tgt, beams)
+        want = stepwise_logits(flat, lambda *a: flat.decode(*a)[:, -1], src, tgt, beams, like_beam_search=True)
+        got = stepwise_logits(compiled, step, src, tgt, beams, like_beam_search=True)
     assert counters["stats"]["unique_graphs"] > graphs  # compiled, not run eagerly
     assert_same_step_logits(got, want, int8=False)
 
