@@ -846,7 +846,9 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     """translate.py --compile: the decoder step as graphs compiled by torch.compile (generated C++
     products over weights frozen in at compile time; the cache grown outside the graph; sizes
     marked symbolic) against model.decode on an Admin model: logits of three beams per sentence,
-    reordered between steps, over sources of mixed lengths, the cache grown from 2 positions; then
+    reordered between steps, over sources of mixed lengths, the cache grown from 2 positions, the
+    first position one row a sentence and the caches kept in place, as beam search runs them (the
+    reference's reorders copy; the beam searches below reuse two of these graphs); then
     beam search (sentences finishing and leaving the batch) against the flat step's, with its
     scores, on a batch of two sentences and one of eight: steps of few rows and of many, and
     encoders of few source tokens and of many, each in their own graphs (all four must run). Every
