@@ -19,6 +19,7 @@ command at a time (use one Prefork per concurrent worker).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -41,7 +42,10 @@ class Prefork:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
-    def __call__(self, script: str | Path, argv: list, cwd: str | Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    def __call__(self, script: str | Path, argv: list, cwd: str | Path,
+                 timeout: float = 600) -> subprocess.CompletedProcess:
+        """``subprocess.run([python, script, *argv], cwd=cwd, capture_output=True, text=True,
+        timeout=timeout)`` with stdin empty, forked from the server."""
         with tempfile.TemporaryDirectory() as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
             request = dict(script=str(script), argv=[str(a) for a in argv], cwd=str(cwd), stdout=out,
@@ -52,10 +56,11 @@ class Prefork:
             if not line:
                 raise RuntimeError(f"the prefork server exited (rc {self.proc.poll()})")
             answer = json.loads(line)
+            args = [sys.executable, str(script), *request["argv"]]
             if answer.get("timeout"):
-                raise subprocess.TimeoutExpired([sys.executable, str(script), *request["argv"]], timeout)
-            return subprocess.CompletedProcess([sys.executable, str(script), *request["argv"]], answer["rc"],
-                                               Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace"))
+                raise subprocess.TimeoutExpired(args, timeout)
+            return subprocess.CompletedProcess(args, answer["rc"], Path(out).read_text(errors="replace"),
+                                               Path(err).read_text(errors="replace"))
 
 
 def _child(request: dict) -> None:
@@ -68,8 +73,10 @@ def _child(request: dict) -> None:
     code = 1
     try:
         os.chdir(request["cwd"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        # A new reader of fd 0: the server's may hold what it read ahead of its requests.
+        sys.stdin = io.TextIOWrapper(io.open(0, "rb", closefd=False), encoding=sys.stdin.encoding,
+                                     errors=sys.stdin.errors)
         for fd, name in ((1, "stdout"), (2, "stderr")):
             os.dup2(os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
         script = os.path.abspath(request["script"])

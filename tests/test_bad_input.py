@@ -478,6 +478,32 @@ def results(request, shared, tmp_path_factory):
     return done
 
 
+def test_prefork_runs_a_script_as_the_interpreter_does(tmp_path):
+    """What the cases are judged on (exit status, stdout, stderr), from tests/prefork.py and from
+    ``python SCRIPT ARGS`` itself: a script that finishes (its atexit function included), exits with
+    a message, raises, reads stdin, and is killed by a signal."""
+    scripts = {  # name: (code, exit status)
+        "ends": ("import atexit, os, sys\natexit.register(print, 'atexit')\n"
+                 "print(sys.argv, os.getcwd(), sys.path[0])", 0),
+        "exits": ("import sys\nprint('before')\nsys.exit('error: --flag: bad')", 1),
+        "raises": ("import torch\nraise ValueError(f'boom {torch.__name__}')", 1),
+        "reads": ("import sys\nprint(repr(sys.stdin.read()))\nsys.exit(3)", 3),
+        "killed": ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", -15),
+    }
+    with Prefork(ENV) as run:
+        for name, (code, status) in scripts.items():
+            script = tmp_path / name / f"{name}.py"
+            script.parent.mkdir()
+            script.write_text(code + "\n")
+            forked = run(script, ["a", 1], cwd=tmp_path)
+            real = subprocess.run([sys.executable, str(script), "a", "1"], capture_output=True, text=True, env=ENV,
+                                  cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=120)
+            assert forked.returncode == real.returncode == status, name
+            assert forked.stdout == real.stdout, name
+            # A traceback has runpy's frames on top; its last lines are the same.
+            assert forked.stderr.splitlines()[-3:] == real.stderr.splitlines()[-3:], name
+
+
 def test_case_ids_are_unique_and_cover_every_command():
     ids = [c.param.id for c in CASES]
     assert len(ids) == len(set(ids)) and len(ids) >= 60
