@@ -1,17 +1,17 @@
 """Bad and hostile input to every command, through its real command line.
 
-Each case runs one entry point as a process of its own (train, prepare, backtranslate, translate, average,
-export, evaluate, analyze, models, cluster_env) and asserts what a user must get: a non-zero exit,
-one ``error:`` line (or argparse's usage error) naming the file, field or argument, no traceback,
-and nothing written into the case's folder that a later step could take for complete (a
-checkpoint, a model file, an output directory). A hostile checkpoint, a pickle that creates a
+Each case runs one entry point as a process of its own (train, prepare, backtranslate, translate,
+average, export, evaluate, analyze, models, cluster_env) and asserts what a user must get: a
+non-zero exit, one ``error:`` line (or argparse's usage error) naming the file, field or argument,
+no traceback, and nothing written into the case's folder that a later step could take for complete
+(a checkpoint, a model file, an output directory). A hostile checkpoint, a pickle that creates a
 folder when it is unpickled, with the digests in ``COMPLETE`` rewritten to match, is given to every
 loader: each refuses it and the folder is never created.
 
 The cases share one tiny run (4 updates, a checkpoint every 2) and its averaged model file; they
 only read them (checked at the end). Every case gets its own folder for what it changes. The
-commands run two at a time, each as ``python SCRIPT ARGS`` runs it, in a process forked from one that
-has imported torch already (tests/prefork.py: the import is most of a refused command's time).
+commands run two at a time, each as ``python SCRIPT ARGS`` runs it, in a process forked from one
+that has imported torch already (tests/prefork.py: the import is most of a refused command's time).
 """
 
 from __future__ import annotations
