@@ -613,17 +613,19 @@ def test_packed_model_computes_what_the_plain_model_computes(kw, step_backend):
 
 @needs_onednn
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", "AuthenticAMD without AVX-512"])
 def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(activation, vendor, monkeypatch):
     """A decoder-step product (few_rows=True) packed for oneDNN multiplies with F.linear, on an
     Intel CPU, up to 8 rows by a weight of at most 1 MiB and one row by a larger weight; on an AMD
-    CPU, up to 8 rows by a weight of at most 256 KiB and no row by a larger one. Other row counts
-    go through oneDNN's packed weight. Each path, and the weight that keeps no plain copy, computes
+    CPU with AVX-512, up to 8 rows by a weight of at most 256 KiB and no row by a larger one;
+    without AVX-512, also one row by a weight of at most 1 MiB. Other row counts go through
+    oneDNN's packed weight. Each path, and the weight that keeps no plain copy, computes
     activation(x W^T + b) as F.linear on the original weight does."""
     from admin_ds.inference import packed
     from admin_ds.inference.packed import PackedLinear
 
-    monkeypatch.setattr(packed, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(packed, "_cpu_vendor", lambda: vendor.split()[0])
+    monkeypatch.setattr(packed, "_cpu_has_avx512", lambda: "without" not in vendor)
     calls = []
     onednn = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or onednn(*a))
@@ -639,6 +641,10 @@ def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(a
     else:
         small, large = weight(128, 512), weight(130, 512)  # exactly 256 KiB, and just over
         cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [], [1, 2, 8, 64]), (small, False, [], [1, 8, 64])]
+        if "without" in vendor:
+            mib, over = weight(512, 512), weight(520, 512)  # exactly 1 MiB, and just over
+            cases[1] = (large, True, [1], [2, 8, 64])
+            cases += [(mib, True, [1], [2, 8, 64]), (over, True, [], [1, 2, 64])]
     for (w, b), few_rows, plain_rows, onednn_rows in cases:
         layer = PackedLinear(w, b, activation, few_rows=few_rows, backend="onednn")
         assert (layer.weight is not None) == bool(plain_rows)  # a plain copy only where it is used

@@ -62,9 +62,11 @@ _ROWS_HINT = 64
 _MKL_ROWS_HINT = 128
 # PackedLinear(few_rows=True) on oneDNN multiplies up to _FEW_ROWS rows by a weight of at most
 # _SMALL_WEIGHT bytes with F.linear (MKL), and a single row by any weight; more rows go to oneDNN.
-# On AMD CPUs, where F.linear's matrix-vector product is 2-5x slower than oneDNN's packed one, only
-# weights of at most _AMD_SMALL_WEIGHT bytes take F.linear (up to _FEW_ROWS rows). On MKL's packed
-# GEMM only a single row takes F.linear. (_plain_rows; the measurements: PackedLinear's docstring.)
+# On AMD CPUs with AVX-512 (Zen 4), where F.linear's matrix-vector product is 2-5x slower than
+# oneDNN's packed one, only weights of at most _AMD_SMALL_WEIGHT bytes take F.linear (up to _FEW_ROWS
+# rows); on AMD CPUs without it (Zen 1), a single row by a weight of at most _SMALL_WEIGHT bytes too.
+# On MKL's packed GEMM only a single row takes F.linear. (_plain_rows; the measurements: PackedLinear's
+# docstring.)
 _FEW_ROWS = 8
 _SMALL_WEIGHT = 1 << 20
 _AMD_SMALL_WEIGHT = 1 << 18
@@ -78,15 +80,27 @@ def packed_linear_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_vendor() -> str:
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ({} where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor()
+    return fields
+
+
+def _cpu_vendor() -> str:
+    return _cpuinfo().get("vendor_id") or platform.processor()
+
+
+def _cpu_has_avx512() -> bool:
+    return "avx512f" in _cpuinfo().get("flags", "").split()
 
 
 _CHOICES = ("", "0", "1", "onednn", "mkl")
@@ -121,7 +135,9 @@ def _plain_rows(weight_bytes: int, backend: str) -> int:
     if backend == "mkl":
         return 1
     if "amd" in _cpu_vendor().lower():
-        return _FEW_ROWS if weight_bytes <= _AMD_SMALL_WEIGHT else 0
+        if weight_bytes <= _AMD_SMALL_WEIGHT:
+            return _FEW_ROWS
+        return 1 if weight_bytes <= _SMALL_WEIGHT and not _cpu_has_avx512() else 0
     return _FEW_ROWS if weight_bytes <= _SMALL_WEIGHT else 1
 
 
@@ -157,8 +173,9 @@ class PackedLinear(nn.Module):
     on MKL for one row only. On AMD CPUs the reverse holds: ``F.linear``'s matrix-vector product
     (MKL's, on a CPU it does not tune for) is the slow one, and only weights of at most
     ``_AMD_SMALL_WEIGHT`` bytes (a 256-wide model's attention outputs) take it, for up to
-    ``_FEW_ROWS`` rows. Costs a second copy of those weights (MKL's product also takes it, for its
-    shape).
+    ``_FEW_ROWS`` rows; on an AMD CPU without AVX-512, where oneDNN has no wider instructions than
+    MKL, one row by a weight of at most ``_SMALL_WEIGHT`` bytes takes it too. Costs a second copy
+    of those weights (MKL's product also takes it, for its shape).
 
     Measured (bench/decode_rows.py, bench/decode_rows_results.md: packed time / F.linear time, above
     1 where F.linear is faster; six copies of each weight so that none stays in cache, 2 threads),
@@ -171,6 +188,9 @@ class PackedLinear(nn.Module):
     (1.18 for (256, 1024)), 2-64 rows 0.17-0.84; the (256, 256) weight 1.33-2.25 at 1-8 rows.
     MKL's packed GEMM there: 0.51-2.42 at 1-2 rows, 0.82-1.24 from 4 rows: slower than oneDNN's
     for every weight over 256 KiB but (768, 256) at one row, so oneDNN stays the default there.
+    On a 2-core AMD EPYC without AVX-512 (Zen 1, AVX2), oneDNN: one row 1.39-3.65 for weights of
+    at most 1 MiB, 0.71-1.09 for larger ones; 2 rows 0.90-2.44 and 0.43-0.73; from 4 rows
+    0.27-0.96 but the (256, 256) weight (1.25-1.82).
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str = "none",
@@ -222,8 +242,11 @@ class PackedLinear(nn.Module):
 # are exact and the fastest at decoding's row counts: bench/decode.py), then the others. On a CPU
 # without VNNI (AVX2 only: AMD EPYC before Zen 4, Intel before Cascade Lake) the u8 x s8 kernels
 # add pairs of products in 16 bits, which full-range activations overflow: the first candidate
-# that computes a product exactly enough (_int8_works) is used.
-_INT8_CANDIDATES = (("onednn", False), ("x86", False), ("onednn", True), ("x86", True), ("fbgemm", True))
+# that computes a product exactly enough (_int8_works) is used. With 7-bit activations, FBGEMM
+# (the x86 engine) comes first: on an AMD EPYC without AVX-512 (Zen 1) its products of a base
+# model's shapes took 0.24-0.69x oneDNN's time at 1-16 rows and 0.42-0.99x at 64-512 (oneDNN's were
+# no faster than float32's there).
+_INT8_CANDIDATES = (("onednn", False), ("x86", False), ("x86", True), ("onednn", True), ("fbgemm", True))
 
 
 @functools.lru_cache(maxsize=None)
