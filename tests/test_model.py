@@ -204,6 +204,29 @@ def test_a_state_kept_in_place_reads_what_a_copying_reorder_leaves():
         kept.append(key, k, v)
 
 
+def test_a_reorder_that_moves_few_rows_copies_them_in_place():
+    """IncrementalState.reorder copies only the rows that change when most stay (a row that takes
+    another's positions while its own are taken by a third: the read must come first). Each step
+    the caches hold what plain indexing of the whole history gives, across reorders that move
+    none, one, a cycle of three, or most of the rows (the spare-buffer path), and a shrink."""
+    torch.manual_seed(0)
+    state, key, rows = IncrementalState(capacity=2), 3, 12
+    history = torch.empty(2, rows, 2, 0, 3)  # keys and values, (rows, H, n, Dh) each
+    same = list(range(12))
+    orders = [same, same[:11] + [10], [1, 2, 0] + same[3:], same[::-1], [0, 0] + same[2:],
+              [5, 1, 2, 3], [0, 1, 2, 3]]
+    for order in [None, *map(torch.tensor, orders)]:
+        if order is not None:
+            state.reorder(order)
+            history = history[:, order]
+        new = torch.randn(2, history.size(1), 2, 1, 3)
+        history = torch.cat([history, new], dim=3)
+        got = state.append(key, *new.unbind(0))
+        state.length += 1
+        assert torch.equal(torch.stack(got), history)
+    assert history.size(3) == len(orders) + 1
+
+
 def test_incremental_state_grows_and_takes_several_positions_per_step():
     """A capacity of 1 forces the cache to grow (1 -> 2 -> 4 -> 8); steps of 3, 1 and 3 new
     positions (causal within the step) still equal the full forward; a reorder that drops rows

@@ -230,12 +230,22 @@ class IncrementalState:
 
     def reorder(self, order: torch.Tensor) -> None:
         """Row i of every self-attention cache becomes row ``order[i]``; only the filled prefix is
-        copied, into the spare buffer when the row count stays (no allocation)."""
+        copied, into the spare buffer when the row count stays (no allocation). Where most rows
+        keep their own (a beam that continues itself stays in its row), only the rows that change
+        are copied, in place (``_moved_rows``)."""
         n = self.length
         if self.in_place:
             self._reorder_origins(order)
             return
+        moved = _moved_rows(order, self._rows()) if n else None
         for bufs in self._self.values():
+            if moved is not None:
+                targets, sources = moved
+                with torch.no_grad():
+                    for cur in bufs[:2]:
+                        filled = cur.narrow(2, 0, n)
+                        filled.index_copy_(0, targets, filled.index_select(0, sources))
+                continue
             for i in (0, 1):
                 cur, spare = bufs[i], bufs[2 + i]
                 if order.numel() != cur.size(0):  # the batch grows (first beam step) or shrinks
@@ -245,6 +255,10 @@ class IncrementalState:
                 with torch.no_grad():
                     torch.index_select(cur[:, :, :n], 0, order, out=spare[:, :, :n])
                 bufs[i], bufs[2 + i] = spare, (cur if order.numel() == cur.size(0) else None)
+
+    def _rows(self) -> int:
+        """The self-attention caches' row count (0 before the first step)."""
+        return next(iter(self._self.values()))[0].size(0) if self._self else 0
 
     def _reorder_origins(self, order: torch.Tensor) -> None:
         """In place: row i's positions become row ``order[i]``'s, where they are. Buffers with fewer
@@ -269,6 +283,20 @@ class IncrementalState:
         for key, (k, v) in self._encoder.items():
             if key not in stacked:
                 self._encoder[key] = (k.index_select(0, order), v.index_select(0, order))
+
+
+def _moved_rows(order: torch.Tensor, rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(rows that change, the rows they take) where a reorder of ``rows`` rows by ``order`` leaves
+    most rows where they are; None where the row count changes or at least a third of the rows
+    move: then copying every row once into the spare buffer moves fewer bytes than reading and
+    writing the moved ones (each twice, the read into a temporary first, since a row can be both
+    read and overwritten)."""
+    if order.numel() != rows:
+        return None
+    targets = order.ne(torch.arange(rows, device=order.device)).nonzero().squeeze(1)
+    if 3 * targets.numel() >= rows:
+        return None
+    return targets, order.index_select(0, targets)
 
 
 def _select_rows(stack: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
