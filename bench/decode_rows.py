@@ -11,7 +11,10 @@ are multiplied in turn, as a decoder's layers are, so that none stays in the CPU
 The tables are each packed path's time / F.linear's time, median of --repeats interleaved rounds:
 above 1 where F.linear is faster. PackedLinear(few_rows=True) packs for MKL on Intel CPUs (F.linear
 for one row) and for oneDNN elsewhere (F.linear for one row, and for up to 8 rows when the weight
-has at most 1 MiB) (admin_ds/inference/packed.py); this is the measurement behind it.
+has at most 1 MiB) (admin_ds/inference/packed.py); this is the measurement behind it. The last
+table is F.linear's product with the weight stored transposed ((in, out) contiguous, which MKL reads
+along the outputs), which PackedLinear takes for one row on AMD CPUs without AVX-512 where the
+weight has more outputs than inputs and at most 1 MiB.
 """
 
 from __future__ import annotations
@@ -51,14 +54,18 @@ def ratios(weight_shape, rows, copies, calls, repeats, mkl: bool) -> dict[str, l
     packed = {"oneDNN": [PackedLinear(w, b, backend="onednn") for w, b in plain]}
     if mkl:
         packed["MKL"] = [PackedLinear(w, b, backend="mkl") for w, b in plain]
-    result: dict[str, list[float]] = {name: [] for name in packed}
+    # The weight stored transposed, (in, out) contiguous: MKL's product reads it along its outputs.
+    transposed = [(w.t().contiguous(), b) for w, b in plain]
+    names = [*packed, "transposed weight"]
+    result: dict[str, list[float]] = {name: [] for name in names}
     for n in rows:
         x = torch.randn(n, in_f)
-        paths = {"F.linear": lambda: [F.linear(x, w, b) for w, b in plain]}
+        paths = {"F.linear": lambda: [F.linear(x, w, b) for w, b in plain],
+                 "transposed weight": lambda: [torch.addmm(b, x, wt) for wt, b in transposed]}
         paths.update({name: (lambda ps=ps: [p(x) for p in ps]) for name, ps in packed.items()})
         with torch.inference_mode():
             times = interleaved(paths, calls, repeats)
-        for name in packed:
+        for name in names:
             result[name].append(statistics.median(times[name]) / statistics.median(times["F.linear"]))
     return result
 
@@ -84,7 +91,7 @@ def main(argv=None) -> int:
     shapes = [(s, d) for d in args.widths for s in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))]
     results = [ratios(shape, args.rows, args.copies, args.calls, args.repeats, mkl) for shape, _ in shapes]
     for name in results[0]:
-        print(f"\n{name} packed / F.linear:\n")
+        print(f"\n{name if name.startswith('transposed') else name + ' packed'} / F.linear:\n")
         print("| weight (out, in) | MiB | " + " | ".join(f"{n} rows" for n in args.rows) + " |")
         print("|---|---:|" + "---:|" * len(args.rows))
         for ((o, i), _), r in zip(shapes, results):

@@ -618,9 +618,10 @@ def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(a
     """A decoder-step product (few_rows=True) packed for oneDNN multiplies with F.linear, on an
     Intel CPU, up to 8 rows by a weight of at most 1 MiB and one row by a larger weight; on an AMD
     CPU with AVX-512, up to 8 rows by a weight of at most 256 KiB and no row by a larger one;
-    without AVX-512, also one row by a weight of at most 1 MiB. Other row counts go through
-    oneDNN's packed weight. Each path, and the weight that keeps no plain copy, computes
-    activation(x W^T + b) as F.linear on the original weight does."""
+    without AVX-512, also one row by a weight of at most 1 MiB, stored transposed where it has more
+    outputs than inputs. Other row counts go through oneDNN's packed weight. Each path, and the
+    weight that keeps no plain copy, computes activation(x W^T + b) as F.linear on the original
+    weight does."""
     from admin_ds.inference import packed
     from admin_ds.inference.packed import PackedLinear
 
@@ -635,23 +636,31 @@ def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(a
     def weight(out_f, in_f):
         return torch.randn(out_f, in_f) / 16, torch.randn(out_f)
 
+    # (weight, few_rows, rows through the plain or transposed weight, rows through oneDNN, transposed)
+    tall = weight(1024, 256)  # 1 MiB, more outputs than inputs
     if vendor == "GenuineIntel":
         small, large = weight(512, 512), weight(520, 512)  # exactly 1 MiB, and just over
-        cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [1], [2, 8, 64]), (small, False, [], [1, 8, 64])]
+        cases = [(small, True, [1, 2, 8], [9, 64], False), (large, True, [1], [2, 8, 64], False),
+                 (small, False, [], [1, 8, 64], False), (tall, True, [1, 2, 8], [9, 64], False)]
     else:
         small, large = weight(128, 512), weight(130, 512)  # exactly 256 KiB, and just over
-        cases = [(small, True, [1, 2, 8], [9, 64]), (large, True, [], [1, 2, 8, 64]), (small, False, [], [1, 8, 64])]
+        cases = [(small, True, [1, 2, 8], [9, 64], False), (large, True, [], [1, 2, 8, 64], False),
+                 (small, False, [], [1, 8, 64], False), (tall, True, [], [1, 2, 64], False)]
         if "without" in vendor:
             mib, over = weight(512, 512), weight(520, 512)  # exactly 1 MiB, and just over
-            cases[1] = (large, True, [1], [2, 8, 64])
-            cases += [(mib, True, [1], [2, 8, 64]), (over, True, [], [1, 2, 64])]
-    for (w, b), few_rows, plain_rows, onednn_rows in cases:
+            cases[1] = (large, True, [1], [2, 8, 64], False)
+            cases[3] = (tall, True, [1], [2, 8, 64], True)
+            cases += [(mib, True, [1], [2, 8, 64], False), (over, True, [], [1, 2, 64], False),
+                      (weight(1028, 256), True, [], [1, 2, 64], False)]  # tall, just over 1 MiB
+    for (w, b), few_rows, plain_rows, onednn_rows, transposed in cases:
         layer = PackedLinear(w, b, activation, few_rows=few_rows, backend="onednn")
-        assert (layer.weight is not None) == bool(plain_rows)  # a plain copy only where it is used
+        assert (layer.weight_t is not None) == transposed, w.shape
+        # a plain (or transposed) copy only where it is used
+        assert (layer.weight is not None) == (bool(plain_rows) and not transposed), w.shape
         for rows in plain_rows + onednn_rows:
-            x = torch.randn(rows, 512)
+            x = torch.randn(rows, w.size(1))
             calls.clear()
-            got = layer(x.view(rows, 1, 512)).view(rows, -1)  # 3-D input, as the model passes it
+            got = layer(x.view(rows, 1, -1)).view(rows, -1)  # 3-D input, as the model passes it
             assert calls == ([] if rows in plain_rows else [rows]), (w.shape, few_rows, rows)
             want = act(F.linear(x, w, b))
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (w.shape, few_rows, rows)

@@ -141,6 +141,17 @@ def _plain_rows(weight_bytes: int, backend: str) -> int:
     return _FEW_ROWS if weight_bytes <= _SMALL_WEIGHT else 1
 
 
+def _transposed_one_row(shape: tuple[int, int], backend: str) -> bool:
+    """Whether PackedLinear(few_rows=True) multiplies one row by a copy of its weight stored
+    transposed, (in, out) contiguous, rather than by the weight itself: on AMD CPUs without
+    AVX-512, for weights of at most _SMALL_WEIGHT bytes with more outputs than inputs (a 256-wide
+    model's Q/K/V and FFN input products). MKL's product of one row reads such a weight along its
+    outputs ~1.5x as fast as along its inputs there (PackedLinear's docstring)."""
+    out_features, in_features = shape
+    return (backend == "onednn" and out_features > in_features and out_features * in_features * 4 <= _SMALL_WEIGHT
+            and "amd" in _cpu_vendor().lower() and not _cpu_has_avx512())
+
+
 def mkl_packed_available() -> bool:
     """True when this PyTorch build has MKL's packed GEMM ops (x86 builds; not ARM's)."""
     return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
@@ -190,7 +201,14 @@ class PackedLinear(nn.Module):
     for every weight over 256 KiB but (768, 256) at one row, so oneDNN stays the default there.
     On a 2-core AMD EPYC without AVX-512 (Zen 1, AVX2), oneDNN: one row 1.39-3.65 for weights of
     at most 1 MiB, 0.71-1.09 for larger ones; 2 rows 0.90-2.44 and 0.43-0.73; from 4 rows
-    0.27-0.96 but the (256, 256) weight (1.25-1.82).
+    0.27-0.96 but the (256, 256) weight (1.25-1.82). There, one row by the weight stored
+    transposed (``x @ W^T`` with W^T contiguous: MKL reads the weight along its outputs) takes
+    0.52-0.80x F.linear's time for the (768, 256) and (1024, 256) weights, about the same for
+    square weights and 1.08-1.54x for those with fewer outputs than inputs (bench/decode_rows.py's
+    last table). For larger weights with more outputs than inputs it is about as fast as oneDNN's
+    packed path, ahead or behind depending on how many copies the measurement cycles through: the
+    weights of at most 1 MiB with more outputs than inputs take it for one row
+    (``_transposed_one_row``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: str = "none",
@@ -210,15 +228,19 @@ class PackedLinear(nn.Module):
                 self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(w, _MKL_ROWS_HINT)
             else:
                 self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w, _ROWS_HINT)
-        # Up to this many rows go through F.linear (0: none).
+        # Up to this many rows go through F.linear (0: none); one row, where weight_t is kept,
+        # through a product with the weight stored transposed.
         self.plain_rows = _plain_rows(w.numel() * 4, backend) if few_rows else 0
-        self.weight = w if self.plain_rows or backend == "mkl" else None
+        self.weight_t = w.t().contiguous() if few_rows and _transposed_one_row(w.shape, backend) else None
+        self.weight = w if self.plain_rows > (self.weight_t is not None) or backend == "mkl" else None
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if 0 < rows <= self.plain_rows:
+        if rows == 1 and self.weight_t is not None:
+            y = self._activate(x2 @ self.weight_t if self.bias is None else torch.addmm(self.bias, x2, self.weight_t))
+        elif 0 < rows <= self.plain_rows:
             y = self._activate(F.linear(x2, self.weight, self.bias))
         elif self.backend == "mkl":  # the packed product runs when its last argument is the row count
             y = self._activate(torch.ops.mkl._mkl_linear(x2, self.packed_weight, self.weight, self.bias, rows))
