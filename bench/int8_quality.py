@@ -8,9 +8,9 @@ sentences come out identical.
 
 The goal it checks: int8 loses at most 0.3 BLEU. Timings are wall seconds of translate() over the
 whole set (encoding and subword included) with --threads torch threads, glibc malloc's thresholds
-set as translate.py sets them (admin_ds/inference/allocator.py) for every decoder. --compile adds fp32 with a
-compiled decoder step (translate.py --compile), timed on a second pass over the set; the first
-pass, which compiles, is reported beside it.
+set as translate.py sets them (admin_ds/inference/allocator.py) for every decoder. --compile adds
+fp32 with a compiled decoder step (translate.py --compile), timed on a second pass over the set;
+the first pass, which compiles, is reported beside it.
 """
 
 from __future__ import annotations
