@@ -103,6 +103,11 @@ def _cpu_has_avx512() -> bool:
     return "avx512f" in _cpuinfo().get("flags", "").split()
 
 
+def _amd_without_avx512() -> bool:
+    """An AMD CPU before Zen 4 (AVX2 at most), where oneDNN has no wider instructions than MKL."""
+    return "amd" in _cpu_vendor().lower() and not _cpu_has_avx512()
+
+
 _CHOICES = ("", "0", "1", "onednn", "mkl")
 
 
@@ -137,7 +142,7 @@ def _plain_rows(weight_bytes: int, backend: str) -> int:
     if "amd" in _cpu_vendor().lower():
         if weight_bytes <= _AMD_SMALL_WEIGHT:
             return _FEW_ROWS
-        return 1 if weight_bytes <= _SMALL_WEIGHT and not _cpu_has_avx512() else 0
+        return 1 if weight_bytes <= _SMALL_WEIGHT and _amd_without_avx512() else 0
     return _FEW_ROWS if weight_bytes <= _SMALL_WEIGHT else 1
 
 
@@ -149,7 +154,7 @@ def _transposed_one_row(shape: tuple[int, int], backend: str) -> bool:
     outputs ~1.5x as fast as along its inputs there (PackedLinear's docstring)."""
     out_features, in_features = shape
     return (backend == "onednn" and out_features > in_features and out_features * in_features * 4 <= _SMALL_WEIGHT
-            and "amd" in _cpu_vendor().lower() and not _cpu_has_avx512())
+            and _amd_without_avx512())
 
 
 def mkl_packed_available() -> bool:

@@ -238,14 +238,15 @@ class IncrementalState:
             self._reorder_origins(order)
             return
         moved = _moved_rows(order, self._rows()) if n else None
-        for bufs in self._self.values():
-            if moved is not None:
-                targets, sources = moved
-                with torch.no_grad():
+        if moved is not None:
+            targets, sources = moved
+            with torch.no_grad():
+                for bufs in self._self.values():
                     for cur in bufs[:2]:
                         filled = cur.narrow(2, 0, n)
                         filled.index_copy_(0, targets, filled.index_select(0, sources))
-                continue
+            return
+        for bufs in self._self.values():
             for i in (0, 1):
                 cur, spare = bufs[i], bufs[2 + i]
                 if order.numel() != cur.size(0):  # the batch grows (first beam step) or shrinks
