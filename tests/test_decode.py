@@ -866,7 +866,7 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     reference's reorders copy; the beam searches below reuse two of these graphs); then
     beam search (sentences finishing and leaving the batch) against the flat step's, with its
     scores, on a batch of two sentences and one of eight: steps of few rows and of many, and
-    encoders of few source tokens and of many, each in their own graphs (all four must run). Every
+    encoders of few source tokens and of many, each sent to its own kind (all four must run). Every
     position runs compiled, the first ones included; the logits read encoder keys and values cached
     eagerly by the step, beam search those of the compiled encoder. Compiling takes one to two
     minutes here; it is done once. (Greedy, one hypothesis per sentence, is two more graphs, a
@@ -908,6 +908,11 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     monkeypatch.setattr(step_module, "_frozen", lambda compiled, *args: ran.append(compiled) or frozen(compiled, *args))
     monkeypatch.setattr(step, "few_rows", 4)
     monkeypatch.setattr(step, "few_tokens", 16)
+    # With autotuning off the graphs of few and many compile with the same options, and their sizes
+    # are symbolic: the many-row kinds run the few-row graphs through wrappers of their own, so the
+    # routing is checked without compiling the same graphs twice (over a minute here).
+    monkeypatch.setattr(step, "_compiled_many", lambda *args: step._compiled(*args))
+    monkeypatch.setattr(step, "_compiled_encoder_many", lambda *args: step._compiled_encoder(*args))
     many, _ = sources(21, 10)
     assert int(many[:2].ne(PAD).sum()) <= 16 < int(many[2:].ne(PAD).sum())
     kw = dict(max_len_a=1.0, max_len_b=2)
@@ -917,6 +922,13 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
         assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
     kinds = (step._compiled, step._compiled_many, step._compiled_encoder, step._compiled_encoder_many)
     assert [any(kind is c for c in ran) for kind in kinds] == [True] * 4
+
+    # Every graph guards on its arguments alone (step._argument_guards), the encoder's too: a model
+    # setting that the encoder reads (dropout, off in eval mode) makes no new graph.
+    graphs = counters["stats"]["unique_graphs"]
+    monkeypatch.setattr(compiled.cfg, "dropout_p", compiled.cfg.dropout_p + 0.1)
+    beam_search(compiled, many[:2], beam=4, nbest=2, **kw)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compiled_decoder_step_refused_off_cpu_fp32_and_with_int8(copy_models):

@@ -316,12 +316,15 @@ class CompiledDecoderStep(DecoderStep):
 
         super().__init__(model)
         self.encoder_kv = _stacked_encoder_kv(self.encoder_attentions)
-        few = dict(COMPILE_OPTIONS, guard_filter_fn=_argument_guards)
-        many = dict(few, max_autotune=False)
-        self._compiled = torch.compile(_own_code(self._decoder_of), options=few)
-        self._compiled_many = torch.compile(_own_code(self._decoder_of), options=many)
-        self._compiled_encoder = torch.compile(_own_code(self._encoder), options=few)
-        self._compiled_encoder_many = torch.compile(_own_code(self._encoder), options=many)
+        def options(**changes) -> dict:
+            """A dict of its own for each graph: torch.compile takes guard_filter_fn out of the one it
+            is given (a shared dict left the encoder's graphs with every guard on the model)."""
+            return dict(COMPILE_OPTIONS, guard_filter_fn=_argument_guards, **changes)
+
+        self._compiled = torch.compile(_own_code(self._decoder_of), options=options())
+        self._compiled_many = torch.compile(_own_code(self._decoder_of), options=options(max_autotune=False))
+        self._compiled_encoder = torch.compile(_own_code(self._encoder), options=options())
+        self._compiled_encoder_many = torch.compile(_own_code(self._encoder), options=options(max_autotune=False))
         # Inductor's own use of a deprecated storage API, once per benchmarked product.
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module=r"torch\._inductor\.")
         # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
