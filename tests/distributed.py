@@ -20,10 +20,28 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_DATA = dict(default_pairs=1500, default_vocab_size=400, max_tokens=600)
 
 
+def _ports():
+    """Ports for this test process, each tried once: below the system's ephemeral range, from which
+    connections take their local ports (a port merely found free there can be taken by one before a
+    rank binds it), in a block of its own for each pytest-xdist worker, so no two tests of a run,
+    beside each other or one after the other, are handed the same port."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    first = 20000 + 1500 * worker
+    for port in range(first, first + 1500):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or still closing
+                continue
+        yield port
+    raise RuntimeError(f"no free port left in {first}..{first + 1499}")
+
+
+_PORTS = _ports()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return next(_PORTS)
 
 
 def _entry(rank: int, world: int, port: int, out: str, fn_name: str, kwargs: dict, accelerator: str) -> None:
