@@ -8,6 +8,8 @@ Linear layer is compiled as the step compiles its graphs, with the row count sym
 - "autotuned": step.COMPILE_OPTIONS, first called with --hint rows. Autotuning times inductor's C++
   kernel for the shape against ATen's at those rows, and its choice serves every row count after.
 - "ATen": the same options without autotuning (the graphs of many rows).
+(A step's graph of few rows compiled at up to ``template_rows`` rows takes the generated kernel
+without this benchmark, wherever inductor's template applies: step._templates_first.)
 Both include the compiled function's own call (guards and wrapper, tens of microseconds) that a
 step's graph pays once for its ~40 products, so the two compare with each other, and with F.linear
 (MKL) and oneDNN's packed product (decoding's PackedLinear) only from a few rows up. Best of

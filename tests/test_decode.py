@@ -905,7 +905,7 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     # most 16 tokens; 2 rows at the first step, then 8) and eight (32 rows).
     ran = []
     frozen = step_module._frozen
-    monkeypatch.setattr(step_module, "_frozen", lambda compiled, *args: ran.append(compiled) or frozen(compiled, *args))
+    monkeypatch.setattr(step_module, "_frozen", lambda compiled, *args, **kw: ran.append(compiled) or frozen(compiled, *args, **kw))
     monkeypatch.setattr(step, "few_rows", 4)
     monkeypatch.setattr(step, "few_tokens", 16)
     # With autotuning off the graphs of few and many compile with the same options, and their sizes
@@ -929,6 +929,43 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     monkeypatch.setattr(compiled.cfg, "dropout_p", compiled.cfg.dropout_p + 0.1)
     beam_search(compiled, many[:2], beam=4, nbest=2, **kw)
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_step_of_few_rows_takes_generated_products_without_a_benchmark():
+    """The compiled step's graphs of few rows multiply with inductor's generated C++ kernels wherever
+    its template applies, chosen without timing them against ATen's (a benchmark on a busy machine
+    can pick the slower one, and inductor would keep that choice on disk): autotuning on, as
+    translate.py --compile runs, no benchmark runs while the step's graphs compile, no product of a
+    step is a library call, and the logits are model.decode's. The encoder runs eagerly here, so
+    that only the step compiles."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import profile
+
+    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.step import CompiledDecoderStep, decoder_step
+    from admin_ds.model.layers import IncrementalState
+
+    model, src, tgt = tiny_model_and_batch(dict(init="admin"))
+    src, tgt = src[:1], tgt[:1]
+    compiled = optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True)
+    step = decoder_step(compiled)
+    assert isinstance(step, CompiledDecoderStep) and tgt.size(0) <= step.few_rows
+    benchmarks = counters["inductor"]["select_algorithm_autotune"]
+    with torch.inference_mode():
+        enc, src_pad = model.encode(src, skip_padding=True)
+        state, want_state = IncrementalState(capacity=tgt.size(1) + 2), IncrementalState(capacity=2)
+        got, want = [], []
+        for t in range(tgt.size(1)):
+            if t == tgt.size(1) - 1:  # every graph compiled: the last position's step, profiled
+                with profile() as prof:
+                    got.append(step(tgt[:, t:t + 1], enc, src_pad, state))
+            else:
+                got.append(step(tgt[:, t:t + 1], enc, src_pad, state))
+            want.append(model.decode(tgt[:, t:t + 1], enc, src_pad, want_state)[:, -1])
+    assert counters["inductor"]["select_algorithm_autotune"] == benchmarks
+    library = [e.key for e in prof.key_averages() if "linear" in e.key or e.key in ("aten::addmm", "aten::mm")]
+    assert library == []
+    assert_same_step_logits(torch.stack(got, 1), torch.stack(want, 1), int8=False)
 
 
 def test_compiled_decoder_step_refused_off_cpu_fp32_and_with_int8(copy_models):

@@ -268,16 +268,20 @@ class DecoderStep:
 
 
 # torch.compile's inductor options for CompiledDecoderStep: the weights folded in as constants
-# (freezing), and (in the graphs of few rows, CompiledDecoderStep.few_rows) each product
-# benchmarked once between a C++ matrix-product kernel generated for its shape (inductor's CPP
-# GEMM template, over the weight packed at compile time) and the library call (ATen's). On the
-# 2-core AMD EPYC the generated kernels won at every shape of a one-row step, and streamed a
-# step's weights ~1.3x faster than oneDNN's packed products (BENCHMARKS.md). The
-# template alone fails on some shapes (no valid choice), hence ATen beside it.
-# The benchmark's tables and statistics are not printed. A call's own cost counts at one
-# sentence, so the generated code does not check the size and alignment of each kernel's result
-# (~0.1 ms a step, 4-5% of a small model's), and the guards check the arguments alone
-# (``_argument_guards``; BENCHMARKS.md).
+# (freezing), and each product of a graph of few rows (CompiledDecoderStep.few_rows) or of the
+# encoder of a short source (few_tokens) a C++ matrix-product kernel generated for its shape
+# (inductor's CPP GEMM template, over the weight packed at compile time) or the library call
+# (ATen's). The encoder's graph benchmarks the two once, at the sizes of the call that compiles it.
+# A step's graph of few rows compiled at up to 8 rows (CompiledDecoderStep.template_rows) takes the
+# generated kernel wherever the template applies, with no benchmark (``_templates_first``): at 1-8
+# rows it took 0.57-1.02x ATen's time on the Intel Xeon and 0.20-0.95x at 4 rows on the AMD EPYC
+# (Zen 4), while a benchmark on a busy machine can pick ATen, and inductor keeps the compiled graph
+# on disk for every later process: a 256-wide beam search's step at up to twice the time
+# (BENCHMARKS.md). The template alone fails on some shapes (no valid choice), hence ATen beside it.
+# The benchmark's tables and statistics are not printed. A call's own cost counts at one sentence,
+# so the generated code does not check the size and alignment of each kernel's result (~0.1 ms a
+# step, 4-5% of a small model's), and the guards check the arguments alone (``_argument_guards``;
+# BENCHMARKS.md).
 COMPILE_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
                    "size_asserts": False, "alignment_asserts": False}
@@ -302,9 +306,9 @@ class CompiledDecoderStep(DecoderStep):
     a size or count of 0 or 1 a constant. So the position count, a Python int, makes three graphs
     of a step (the first position, with nothing cached; the second; every later one), and one
     sentence and several make two of the encoder. Few rows and many (``few_rows``, ``few_tokens``)
-    have graphs of their own, autotuned and not. A greedy and a beam search, one sentence or many,
-    then make one to two dozen graphs, not one per shape. Measured against DecoderStep and
-    CTranslate2: BENCHMARKS.md."""
+    have graphs of their own, with generated products and with ATen's. A greedy and a beam search,
+    one sentence or many, then make one to two dozen graphs, not one per shape. Measured against
+    DecoderStep and CTranslate2: BENCHMARKS.md."""
 
     # One graph for every batch, with or without source padding alike (a mask of zeros is free
     # inside the graph).
@@ -315,13 +319,17 @@ class CompiledDecoderStep(DecoderStep):
         import torch.fx.experimental._config  # noqa: F401
 
         super().__init__(model)
+        _register_templates_first()
         self.encoder_kv = _stacked_encoder_kv(self.encoder_attentions)
         def options(**changes) -> dict:
             """A dict of its own for each graph: torch.compile takes guard_filter_fn out of the one it
             is given (a shared dict left the encoder's graphs with every guard on the model)."""
             return dict(COMPILE_OPTIONS, guard_filter_fn=_argument_guards, **changes)
 
-        self._compiled = torch.compile(_own_code(self._decoder_of), options=options())
+        # No autotuning results on disk for the graphs of few rows; the option also keys them
+        # apart, in inductor's graph cache on disk, from graphs benchmarked at every row count.
+        few = options(autotune_local_cache=False)
+        self._compiled = torch.compile(_own_code(self._decoder_of), options=few)
         self._compiled_many = torch.compile(_own_code(self._decoder_of), options=options(max_autotune=False))
         self._compiled_encoder = torch.compile(_own_code(self._encoder), options=options())
         self._compiled_encoder_many = torch.compile(_own_code(self._encoder), options=options(max_autotune=False))
@@ -330,19 +338,23 @@ class CompiledDecoderStep(DecoderStep):
         # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
 
-    # Up to how many rows a step, and up to how many real source tokens the encoder, runs in the
-    # autotuned graphs (COMPILE_OPTIONS); above, in graphs whose products are ATen's (oneDNN's, not
-    # autotuned). Autotuning times the candidate kernels at the sizes of the call that compiles a
-    # graph, and its choice then serves every size of that symbolic graph: compiled at 2 rows,
-    # inductor's C++ kernels multiplied 64 rows by a step's larger weights at ~100 GFLOP/s against
-    # ~175-220 for ATen's in the same graph (bench/compiled_products.py). Up to 8 rows they took
-    # 0.57-1.02x ATen's time, at 16 rows 0.77-1.44x (about level over a step's products), and
-    # greedy decoding 16 sentences at a time was slower with ATen's products from 9 rows. So few
-    # rows and many have graphs of their own, and a process's first batch no longer decides how
-    # fast its later ones run (BENCHMARKS.md). The encoder of one ~15-token sentence: 2.52 ms
-    # autotuned against 3.19 ms with ATen's products.
+    # Up to how many rows a step runs in the graphs whose products are inductor's generated kernels
+    # (``_templates_first``), and up to how many real source tokens the encoder runs in the
+    # autotuned graph (COMPILE_OPTIONS); above, in graphs whose products are ATen's (oneDNN's, not
+    # autotuned). A graph's kernels serve every size of that symbolic graph: inductor's C++ kernels
+    # multiplied 64 rows by a step's larger weights at ~100 GFLOP/s against ~175-220 for ATen's in
+    # the same graph (bench/compiled_products.py). Up to 8 rows they took 0.57-1.02x ATen's time, at
+    # 16 rows 0.77-1.44x (about level over a step's products), and greedy decoding 16 sentences at a
+    # time was slower with ATen's products from 9 rows. So few rows and many have graphs of their
+    # own, and a process's first batch does not decide how fast its later ones run (BENCHMARKS.md).
+    # The encoder of one ~15-token sentence: 2.52 ms autotuned against 3.19 ms with ATen's products.
     few_rows = 16
     few_tokens = 32
+    # A graph of few rows compiled at up to this many rows takes the generated kernels without a
+    # benchmark (``_templates_first``); compiled at more, it benchmarks them against ATen's, which
+    # multiplied 16 rows by the larger weights faster on the Intel Xeon
+    # (bench/compiled_products.py).
+    template_rows = 8
 
     # Room for this position and one more: the cache never grows inside the graph, and the filled
     # prefix never spans a whole buffer (a view of all of it would be another graph).
@@ -425,8 +437,10 @@ class CompiledDecoderStep(DecoderStep):
         torch._dynamo.maybe_mark_dynamic(caches.encoder_values, [1, 3])
         if caches.origins is not None:
             torch._dynamo.maybe_mark_dynamic(caches.origins, [0, 1])
-        compiled = self._compiled if tokens.size(0) <= self.few_rows else self._compiled_many
-        return _frozen(compiled, tokens, *caches, mask)
+        if tokens.size(0) <= self.few_rows:
+            templates_first = tokens.size(0) <= self.template_rows
+            return _frozen(self._compiled, tokens, *caches, mask, templates_first=templates_first)
+        return _frozen(self._compiled_many, tokens, *caches, mask)
 
     def _decoder_of(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                     encoder_keys: torch.Tensor, encoder_values: torch.Tensor, length: int,
@@ -472,19 +486,45 @@ def _argument_guards(entries: list) -> list[bool]:
     return [not (e.name == "self" or e.name.startswith(("self.", "self["))) for e in entries]
 
 
-def _frozen(compiled: Callable, *args):
-    """``compiled(*args)`` with two settings that torch.compile reads when it traces (so not from
+def _frozen(compiled: Callable, *args, templates_first: bool = False):
+    """``compiled(*args)`` with settings that torch.compile reads when it traces (so not from
     ``options``) set while it runs, and put back after for any other compiled code in the process
-    (~10 us a call): inductor's freezing (the weights become constants only then), and no duck
-    sizing (sizes that happen to be equal, 4 sentences and 4 heads, would be made one symbol, and
-    another graph compiled when they differ)."""
+    (~10 us a call): inductor's freezing (the weights become constants only then), no duck sizing
+    (sizes that happen to be equal, 4 sentences and 4 heads, would be made one symbol, and another
+    graph compiled when they differ), and with ``templates_first`` the generated product kernels
+    chosen without a benchmark (``_templates_first``)."""
+    global _TEMPLATES_FIRST
     inductor, shapes = torch._inductor.config, torch.fx.experimental._config
-    before = inductor.freezing, shapes.use_duck_shape
-    inductor.freezing, shapes.use_duck_shape = True, False
+    before = inductor.freezing, shapes.use_duck_shape, _TEMPLATES_FIRST
+    inductor.freezing, shapes.use_duck_shape, _TEMPLATES_FIRST = True, False, templates_first
     try:
         return compiled(*args)
     finally:
-        inductor.freezing, shapes.use_duck_shape = before
+        inductor.freezing, shapes.use_duck_shape, _TEMPLATES_FIRST = before
+
+
+_TEMPLATES_FIRST = False  # set by _frozen while a graph that takes them may compile
+
+
+def _templates_first(choices: list) -> list:
+    """Inductor's candidates for one product, the library calls (ATen's) left out where a generated
+    kernel is among them, while ``_TEMPLATES_FIRST``; with one candidate left inductor benchmarks
+    nothing. Registered once per process with inductor's algorithm selection
+    (``_register_templates_first``)."""
+    if not _TEMPLATES_FIRST:
+        return choices
+    from torch._inductor.select_algorithm import ExternKernelCaller
+
+    generated = [c for c in choices if not isinstance(c, ExternKernelCaller)]
+    return generated or choices
+
+
+def _register_templates_first() -> None:
+    from torch._inductor.select_algorithm import get_algorithm_selector_cache
+
+    selector = get_algorithm_selector_cache()
+    if _templates_first not in selector.preprocessing_fns:
+        selector.add_preprocessing_fn(_templates_first)
 
 
 def compile_decoder_step(model: EncoderDecoder) -> CompiledDecoderStep:
