@@ -6,6 +6,7 @@ tokens, which exercises early stopping and beam reordering; the "full" one (180 
 Untrained models are degenerate here (every sentence runs to the max length repeating a token).
 """
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -949,17 +950,15 @@ def test_compiled_step_of_few_rows_takes_generated_products_without_a_benchmark(
     src, tgt = src[:1], tgt[:1]
     compiled = optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True)
     step = decoder_step(compiled)
-    assert isinstance(step, CompiledDecoderStep) and tgt.size(0) <= step.few_rows
+    assert isinstance(step, CompiledDecoderStep) and tgt.size(0) <= step.template_rows
     benchmarks = counters["inductor"]["select_algorithm_autotune"]
+    last = tgt.size(1) - 1  # every graph is compiled by then: its step is profiled
     with torch.inference_mode():
         enc, src_pad = model.encode(src, skip_padding=True)
         state, want_state = IncrementalState(capacity=tgt.size(1) + 2), IncrementalState(capacity=2)
         got, want = [], []
         for t in range(tgt.size(1)):
-            if t == tgt.size(1) - 1:  # every graph compiled: the last position's step, profiled
-                with profile() as prof:
-                    got.append(step(tgt[:, t:t + 1], enc, src_pad, state))
-            else:
+            with profile() if t == last else contextlib.nullcontext() as prof:
                 got.append(step(tgt[:, t:t + 1], enc, src_pad, state))
             want.append(model.decode(tgt[:, t:t + 1], enc, src_pad, want_state)[:, -1])
     assert counters["inductor"]["select_algorithm_autotune"] == benchmarks

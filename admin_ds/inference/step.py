@@ -339,9 +339,9 @@ class CompiledDecoderStep(DecoderStep):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
 
     # Up to how many rows a step runs in the graphs whose products are inductor's generated kernels
-    # (``_templates_first``), and up to how many real source tokens the encoder runs in the
-    # autotuned graph (COMPILE_OPTIONS); above, in graphs whose products are ATen's (oneDNN's, not
-    # autotuned). A graph's kernels serve every size of that symbolic graph: inductor's C++ kernels
+    # (chosen as ``template_rows`` says), and up to how many real source tokens the encoder runs in
+    # the autotuned graph (COMPILE_OPTIONS); above, in graphs whose products are ATen's (oneDNN's,
+    # not autotuned). A graph's kernels serve every size of that symbolic graph: inductor's C++ kernels
     # multiplied 64 rows by a step's larger weights at ~100 GFLOP/s against ~175-220 for ATen's in
     # the same graph (bench/compiled_products.py). Up to 8 rows they took 0.57-1.02x ATen's time, at
     # 16 rows 0.77-1.44x (about level over a step's products), and greedy decoding 16 sentences at a
