@@ -865,8 +865,8 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     reordered between steps, over sources of mixed lengths, the cache grown from 2 positions, the
     first position one row a sentence and the caches kept in place, as beam search runs them (the
     reference's reorders copy; the beam searches below reuse two of these graphs); then
-    beam search (sentences finishing and leaving the batch) against the flat step's, with its
-    scores, on a batch of two sentences and one of eight: steps of few rows and of many, and
+    beam search (sentences finishing and leaving the batch; its choices between steps compiled as
+    well) against the flat step's, with its scores, on a batch of two sentences and one of eight: steps of few rows and of many, and
     encoders of few source tokens and of many, each sent to its own kind (all four must run). Every
     position runs compiled, the first ones included; the logits read encoder keys and values cached
     eagerly by the step, beam search those of the compiled encoder. Compiling takes one to two
@@ -923,6 +923,10 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
         assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
     kinds = (step._compiled, step._compiled_many, step._compiled_encoder, step._compiled_encoder_many)
     assert [any(kind is c for c in ran) for kind in kinds] == [True] * 4
+    # Beam search's choices between two steps ran compiled as well (the flat step's run eagerly).
+    from admin_ds.inference import decode as decode_module
+    assert list(step._searches) == [decode_module._beam_choices]
+    assert any(c is step._searches[decode_module._beam_choices] for c in ran)
 
     # Every graph guards on its arguments alone (step._argument_guards), the encoder's too: a model
     # setting that the encoder reads (dropout, off in eval mode) makes no new graph.

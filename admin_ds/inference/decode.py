@@ -12,7 +12,8 @@ capped at ``model max_positions - 1``; at that length EOS is forced. Scores are 
 computed in float32 whatever the model's dtype.
 
 Each step runs through ``step.decoder_step`` (the same computation as ``model.decode`` in fewer
-operators). This file imports torch, model.py and step.py only.
+operators). Where that is a compiled step (translate.py --compile), beam search's choices between
+two steps (``_beam_choices``) run compiled too. This file imports torch, model.py and step.py only.
 """
 
 from __future__ import annotations
@@ -99,13 +100,12 @@ def _max_lens(model, src: torch.Tensor, max_len_a: float, max_len_b: int) -> tor
     return lens.clamp(min=0, max=model.cfg.max_positions - 1)
 
 
-def _lprobs(logits: torch.Tensor, step: int, force_eos: Optional[torch.Tensor], pad: int, eos: int,
-            unk: int, unk_penalty: float, min_len: int, temperature: float = 1.0,
-            normalize: bool = True) -> torch.Tensor:
+def _lprobs(logits: torch.Tensor, force_eos: Optional[torch.Tensor], no_eos: bool, pad: int, eos: int,
+            unk: int, unk_penalty: float, temperature: float = 1.0, normalize: bool = True) -> torch.Tensor:
     """(N, V) logits -> float32 log-probs with fairseq's constraints: pad never, unk penalised,
-    EOS forbidden before min_len, only EOS in the rows where ``force_eos`` (N,) is set (the max
-    length is reached; this wins over min_len so every hypothesis terminates). ``force_eos=None``:
-    no row is at its max length.
+    EOS forbidden where ``no_eos`` (before min_len), only EOS in the rows where ``force_eos`` (N,)
+    is set (the max length is reached; this wins over min_len so every hypothesis terminates).
+    ``force_eos=None``: no row is at its max length.
 
     ``normalize=False``: the constraints on the logits themselves, in place where they are float32,
     for a caller that only takes each row's largest (greedy decoding): log-softmax subtracts one
@@ -119,7 +119,7 @@ def _lprobs(logits: torch.Tensor, step: int, force_eos: Optional[torch.Tensor], 
     lp[:, pad] = NEG_INF
     if unk_penalty:
         lp[:, unk] -= unk_penalty
-    if step < min_len:
+    if no_eos:
         lp[:, eos] = NEG_INF
     if force_eos is not None:
         lp.masked_fill_(force_eos[:, None], NEG_INF)
@@ -200,7 +200,7 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
     for step in range(max_len + 1):
         logits = step_logits(cur, enc, src_pad, state)
         force = max_lens.le(step) if step >= min_max_len else None
-        lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len, temperature, normalize)
+        lp = _lprobs(logits, force, step < min_len, pad, eos, unk, unk_penalty, temperature, normalize)
         tok = choose(lp)
         out[orig, step] = tok
         done = tok.eq(eos)
@@ -312,6 +312,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     state = IncrementalState(capacity=max_len + 1, reorders_every_step=True)
     step_logits = decoder_step(model)
     enc, src_pad = _encode(model, step_logits, src, state)
+    choose = _compiled(step_logits, _beam_choices)
 
     # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
     # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.
@@ -322,80 +323,41 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     fin_cnt = torch.zeros(B, dtype=torch.long, device=dev)
 
     orig = torch.arange(B, device=dev)  # live sentence -> original index
+    counts = torch.zeros(B, dtype=torch.long, device=dev)  # finalized hypotheses per live sentence
     tokens = torch.full((B, 1), eos, dtype=torch.long, device=dev)  # decoder inputs so far
-    scores = torch.zeros((B, 0), dtype=torch.float32, device=dev)  # cumulative log-probs
-    rows_per = 1  # rows per live sentence: 1 at the first step (all beams equal), then K
-    cand_pos = torch.arange(2 * K, device=dev)
+    scores = torch.zeros((B, 1), dtype=torch.float32, device=dev)  # cumulative log-probs, 0 first
 
     for step in range(max_len + 1):
-        rows = tokens.size(0)
-        bsz = rows // rows_per
         logits = step_logits(tokens[:, -1:], enc, src_pad, state)
-        V = logits.size(-1)
-        force = None
-        if step >= min_max_len:
-            force = max_lens.le(step)
-            if rows_per > 1:
-                force = force.repeat_interleave(rows_per)
-        lp = _lprobs(logits, step, force, pad, eos, unk, unk_penalty, min_len)
-        if step > 0:
-            lp.add_(scores[:, -1:])
-
-        # Candidates: top 2K over (beam x vocab) per sentence, best first.
-        flat = lp.view(bsz, rows_per * V)
-        k2 = min(2 * K, flat.size(1))
-        cand_scores, cand_idx = _topk(flat, k2)
-        if k2 < 2 * K:  # tiny vocabulary at the first step: pad with impossible candidates
-            fill = 2 * K - k2
-            cand_scores = torch.cat([cand_scores, cand_scores.new_full((bsz, fill), NEG_INF)], 1)
-            cand_idx = torch.cat([cand_idx, cand_idx.new_full((bsz, fill), pad)], 1)
-        cand_beams = torch.div(cand_idx, V, rounding_mode="floor")
-        cand_tok = cand_idx - cand_beams * V
-        cand_rows = cand_beams + torch.arange(bsz, device=dev)[:, None] * rows_per
-        eos_mask = cand_tok.eq(eos) & cand_scores.ne(NEG_INF)
-
-        # Finalize EOS candidates among the first K, in rank order, up to K per sentence.
-        fin_mask = eos_mask[:, :K]
-        slot = fin_cnt[orig][:, None] + fin_mask.long().cumsum(dim=1) - 1
-        ok = fin_mask & slot.lt(K)
-        fin_cnt[orig] += ok.sum(dim=1)
-        done = fin_cnt[orig].ge(K) | max_lens.le(step)
-        any_fin, any_done, all_done = torch.stack([ok.any(), done.any(), done.all()]).tolist()
-        if any_fin:
+        at_max = max_lens.le(step) if step >= min_max_len else None
+        flags, counts, done, ok, slot, cand_rows, cand_scores, sel_rows, next_tokens, next_scores = choose(
+            logits, tokens, scores, counts, at_max, K, step < min_len, pad, eos, unk, unk_penalty)
+        any_fin, any_done, all_done = flags.tolist()
+        if any_fin:  # EOS candidates into their sentences' slots
             s_idx, c_idx = ok.nonzero(as_tuple=True)
             src_rows = cand_rows[s_idx, c_idx]
             eos_scores = cand_scores[s_idx, c_idx]
             hyp = torch.cat([tokens.index_select(0, src_rows)[:, 1:],
                              torch.full_like(src_rows, eos)[:, None]], dim=1)  # (n, step+1)
             cum = torch.cat([scores.index_select(0, src_rows), eos_scores[:, None]], dim=1)
-            pos = torch.cat([cum[:, :1], cum[:, 1:] - cum[:, :-1]], dim=1)
             o, sl = orig[s_idx], slot[s_idx, c_idx]
             fin_tok[o, sl, :step + 1] = hyp
-            fin_pos[o, sl, :step + 1] = pos
+            fin_pos[o, sl, :step + 1] = cum[:, 1:] - cum[:, :-1]
             fin_score[o, sl] = eos_scores / float(step + 1) ** lenpen
             fin_len[o, sl] = step
-        if all_done:
-            break
-
-        # Continue with the first K non-EOS candidates (EOS ranks pushed behind all others).
-        rank = eos_mask.long() * (2 * K) + cand_pos
-        active = rank.topk(K, dim=1, largest=False).indices  # ascending: rank order kept
-        sel_rows = cand_rows.gather(1, active)
-        sel_scores = cand_scores.gather(1, active)
-        sel_tok = cand_tok.gather(1, active)
-
         if any_done:  # finished sentences leave the batch
-            keep_sent = (~done).nonzero().squeeze(1)
-            sel_rows, sel_scores, sel_tok = sel_rows[keep_sent], sel_scores[keep_sent], sel_tok[keep_sent]
-            orig, max_lens = orig[keep_sent], max_lens[keep_sent]
+            fin_cnt[orig] = counts
+            if all_done:
+                break
+            keep = (~done).nonzero().squeeze(1)
+            keep_rows = (keep[:, None] * K + torch.arange(K, device=dev)).view(-1)
+            sel_rows, counts, orig, max_lens = sel_rows[keep], counts[keep], orig[keep], max_lens[keep]
+            next_tokens, next_scores = next_tokens.index_select(0, keep_rows), next_scores.index_select(0, keep_rows)
             min_max_len = int(max_lens.min())
-            enc, src_pad = enc.index_select(0, keep_sent), src_pad.index_select(0, keep_sent)
-            state.reorder_encoder(keep_sent)
-        sel_rows, sel_scores, sel_tok = sel_rows.reshape(-1), sel_scores.reshape(-1), sel_tok.reshape(-1)
-        state.reorder(sel_rows)
-        tokens = torch.cat([tokens.index_select(0, sel_rows), sel_tok[:, None]], dim=1)
-        scores = torch.cat([scores.index_select(0, sel_rows), sel_scores[:, None]], dim=1)
-        rows_per = K
+            enc, src_pad = enc.index_select(0, keep), src_pad.index_select(0, keep)
+            state.reorder_encoder(keep)
+        state.reorder(sel_rows.view(-1))
+        tokens, scores = next_tokens, next_scores
 
     # Best first (a stable sort, like fairseq's sorted(); empty slots score -inf and sort last),
     # then one transfer of the n-best to the host.
@@ -412,3 +374,72 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
                                    positional_scores=best_pos[b][j][:best_len[b][j] + 1])
                         for j in range(n_keep[b])])
     return results
+
+
+def _beam_choices(logits: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor, counts: torch.Tensor,
+                  at_max: Optional[torch.Tensor], K: int, no_eos: bool, pad: int, eos: int, unk: int,
+                  unk_penalty: float) -> tuple[torch.Tensor, ...]:
+    """One beam-search step's choices for every live sentence at once, from the step's logits
+    (R, V): R rows, K per sentence (one at the first step, when every beam is the same), b = R / K
+    sentences. ``tokens`` (R, T) are the rows' decoder inputs so far, ``scores`` (R, T) their
+    cumulative log-probs (0 first, at the EOS that starts every row), ``counts`` (b,) the finalized
+    hypotheses of each sentence, ``at_max`` (b,) the sentences at their max length (EOS forced;
+    None: none is).
+
+    The top 2K candidates over (beam x vocab) per sentence by cumulative log-prob; the EOS
+    candidates among the first K are finalized in rank order into the sentence's next slots (slots
+    from K on are fairseq's ignored ones), the first K other candidates continue. Returns
+
+    - ``flags`` (3,): whether any EOS candidate is finalized, any sentence is done (K finalized or
+      at its max length), all are;
+    - ``counts`` and ``done`` (b,) after this step;
+    - ``ok``, ``slot`` (b, K): which of the first K candidates are finalized, and into which slots;
+      the first K candidates' rows and cumulative log-probs (b, K);
+    - ``sel_rows`` (b, K): the row each continuing beam extends; the continuing beams' ``tokens``
+      and ``scores`` (b * K, T + 1), finished sentences' included.
+
+    Plain tensor code, the same whether run eagerly or compiled (``_compiled``): some sixty
+    operators between two steps, a few generated kernels in one call when compiled."""
+    bsz, V = counts.size(0), logits.size(1)
+    rows_per = 1 if scores.size(1) == 1 else K
+    force = None if at_max is None else at_max[:, None].expand(bsz, rows_per).reshape(-1)
+    lp = _lprobs(logits, force, no_eos, pad, eos, unk, unk_penalty)
+    if rows_per > 1:
+        lp.add_(scores[:, -1:])
+
+    # Candidates: top 2K over (beam x vocab) per sentence, best first.
+    flat = lp.view(bsz, rows_per * V)
+    k2 = min(2 * K, flat.size(1))
+    cand_scores, cand_idx = _topk(flat, k2)
+    if k2 < 2 * K:  # tiny vocabulary at the first step: pad with impossible candidates
+        fill = 2 * K - k2
+        cand_scores = torch.cat([cand_scores, cand_scores.new_full((bsz, fill), NEG_INF)], 1)
+        cand_idx = torch.cat([cand_idx, cand_idx.new_full((bsz, fill), pad)], 1)
+    cand_beams = torch.div(cand_idx, V, rounding_mode="floor")
+    cand_tok = cand_idx - cand_beams * V
+    cand_rows = cand_beams + torch.arange(bsz, device=logits.device)[:, None] * rows_per
+    eos_mask = cand_tok.eq(eos) & cand_scores.ne(NEG_INF)
+
+    # Finalize EOS candidates among the first K, in rank order, up to K per sentence.
+    fin_mask = eos_mask[:, :K]
+    slot = counts[:, None] + fin_mask.long().cumsum(dim=1) - 1
+    ok = fin_mask & slot.lt(K)
+    counts = counts + ok.sum(dim=1)
+    done = counts.ge(K) if at_max is None else counts.ge(K) | at_max
+    flags = torch.stack([ok.any(), done.any(), done.all()])
+
+    # Continue with the first K non-EOS candidates (EOS ranks pushed behind all others).
+    rank = eos_mask.long() * (2 * K) + torch.arange(2 * K, device=logits.device)
+    active = rank.topk(K, dim=1, largest=False).indices  # ascending: rank order kept
+    sel_rows = cand_rows.gather(1, active)
+    rows = sel_rows.view(-1)
+    tokens = torch.cat([tokens.index_select(0, rows), cand_tok.gather(1, active).view(-1, 1)], dim=1)
+    scores = torch.cat([scores.index_select(0, rows), cand_scores.gather(1, active).view(-1, 1)], dim=1)
+    return flags, counts, done, ok, slot, cand_rows[:, :K], cand_scores[:, :K], sel_rows, tokens, scores
+
+
+def _compiled(step: Callable, fn: Callable) -> Callable:
+    """``fn`` compiled as the decoder step compiles (``step.compiled``, a CompiledDecoderStep's),
+    else ``fn`` itself."""
+    compile_fn = getattr(step, "compiled", None)
+    return fn if compile_fn is None else compile_fn(fn)

@@ -37,6 +37,7 @@ This file imports torch and model.py only.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from typing import Callable, NamedTuple, Optional
@@ -297,7 +298,7 @@ class CompiledDecoderStep(DecoderStep):
 
     Beam search's caches are kept in place (IncrementalState.keep_in_place): its reorder at every
     step copies no key or value, and the attention gathers each row's positions from the buffer
-    rows that hold them. Greedy decoding, which reorders only when sentences finish, reads its rows
+    rows that hold them. Its choices between two steps run compiled as well (``compiled``). Greedy decoding, which reorders only when sentences finish, reads its rows
     in place, with the products of ``DecoderStep``.
 
     The first calls compile (about a minute per kind of search for a base model on two cores;
@@ -337,6 +338,18 @@ class CompiledDecoderStep(DecoderStep):
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module=r"torch\._inductor\.")
         # Greedy and beam search, one sentence or several, one row or many: a handful of graphs.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+        self._searches: dict[Callable, Callable] = {}  # what ``compiled`` made
+
+    def compiled(self, fn: Callable) -> Callable:
+        """``fn``, a search's tensor code between two steps (``decode._beam_choices``), compiled for
+        this step's searches: its operators fused into a few generated kernels, one call instead of
+        dozens (~0.25 ms of a ~1.65 ms beam-4 step at one sentence, 256-wide; BENCHMARKS.md). Sizes
+        that vary become symbolic after their first change (torch.compile's automatic dynamic
+        shapes), with duck sizing off as for the step's graphs (``_frozen``)."""
+        compiled = self._searches.get(fn)
+        if compiled is None:
+            compiled = self._searches[fn] = torch.compile(_own_code(fn), options=dict(COMPILE_OPTIONS))
+        return functools.partial(_frozen, compiled)
 
     # Up to how many rows a step runs in the graphs whose products are inductor's generated kernels
     # (chosen as ``template_rows`` says), and up to how many real source tokens the encoder runs in
@@ -429,14 +442,13 @@ class CompiledDecoderStep(DecoderStep):
         # (R,) with unit stride: the searches pass a column of their (R, T) tokens, whose stride
         # would change at every step (a guard that fails, another graph).
         tokens = tokens.reshape(-1).clone(memory_format=torch.contiguous_format)
-        torch._dynamo.maybe_mark_dynamic(tokens, 0)
-        torch._dynamo.maybe_mark_dynamic(mask, [0, 2])
+        _symbolic(tokens, 0)
+        _symbolic(mask, [0, 2])
         for t in (*caches.keys, *caches.values):
-            torch._dynamo.maybe_mark_dynamic(t, [0, 2])
-        torch._dynamo.maybe_mark_dynamic(caches.encoder_keys, [1, 4])
-        torch._dynamo.maybe_mark_dynamic(caches.encoder_values, [1, 3])
-        if caches.origins is not None:
-            torch._dynamo.maybe_mark_dynamic(caches.origins, [0, 1])
+            _symbolic(t, [0, 2])
+        _symbolic(caches.encoder_keys, [1, 4])
+        _symbolic(caches.encoder_values, [1, 3])
+        _symbolic(caches.origins, [0, 1])
         if tokens.size(0) <= self.few_rows:
             templates_first = tokens.size(0) <= self.template_rows
             return _frozen(self._compiled, tokens, *caches, mask, templates_first=templates_first)
@@ -448,6 +460,14 @@ class CompiledDecoderStep(DecoderStep):
         """``_decoder`` with the caches as arguments, which the graph's guards check: lists of
         tensors, an int and a tensor, not the IncrementalState's dictionaries."""
         return self._decoder(tokens, _Caches(keys, values, encoder_keys, encoder_values, length, origins), mask)
+
+
+def _symbolic(t: Optional[torch.Tensor], dims) -> None:
+    """``torch._dynamo.maybe_mark_dynamic(t, dims)`` where ``t`` is not marked yet: the caches, 15 of
+    the 17 tensors a step passes, are the same from step to step, and marking takes ~0.9 us a
+    tensor. (Where torch keeps the marks elsewhere, every call marks: the same graphs.)"""
+    if t is not None and not hasattr(t, "_dynamo_weak_dynamic_indices"):
+        torch._dynamo.maybe_mark_dynamic(t, dims)
 
 
 def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:
@@ -468,13 +488,13 @@ def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:
 
 
 def _own_code(method: Callable) -> Callable:
-    """``method`` as a function with a code object of its own. torch.compile keeps a function's
+    """``method`` (or a function) with a code object of its own. torch.compile keeps a function's
     graphs, and the guards that choose among them, on its code object: one per instance here, so
     one step's graphs (its model's weights are constants in them) are never another's, without a
     guard that tells the instances apart."""
-    f = method.__func__
+    f = getattr(method, "__func__", method)
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    return types.MethodType(own, method.__self__)
+    return own if f is method else types.MethodType(own, method.__self__)
 
 
 def _argument_guards(entries: list) -> list[bool]:
