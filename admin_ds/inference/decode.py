@@ -312,7 +312,8 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     state = IncrementalState(capacity=max_len + 1, reorders_every_step=True)
     step_logits = decoder_step(model)
     enc, src_pad = _encode(model, step_logits, src, state)
-    choose = _compiled(step_logits, _beam_choices)
+    # Compiled choices where one sentence is left (see _beam_choices), else eager ones.
+    choices = (_beam_choices, _compiled(step_logits, _beam_choices))
 
     # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
     # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.
@@ -330,6 +331,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     for step in range(max_len + 1):
         logits = step_logits(tokens[:, -1:], enc, src_pad, state)
         at_max = max_lens.le(step) if step >= min_max_len else None
+        choose = choices[counts.size(0) == 1]
         flags, counts, done, ok, slot, cand_rows, cand_scores, sel_rows, next_tokens, next_scores = choose(
             logits, tokens, scores, counts, at_max, K, step < min_len, pad, eos, unk, unk_penalty)
         any_fin, any_done, all_done = flags.tolist()
@@ -399,7 +401,11 @@ def _beam_choices(logits: torch.Tensor, tokens: torch.Tensor, scores: torch.Tens
       and ``scores`` (b * K, T + 1), finished sentences' included.
 
     Plain tensor code, the same whether run eagerly or compiled (``_compiled``): some sixty
-    operators between two steps, a few generated kernels in one call when compiled."""
+    operators between two steps, a few generated kernels in one call when compiled. Compiled, it
+    ran one sentence's beam search (4 beams, 256-wide decoder, vocabulary 8,000, 33 steps) ~4%
+    faster than eagerly, two sentences' level, eight sentences' 4% slower and 64 sentences' 7%
+    (where ATen's kernels over many rows beat the generated ones): so beam search runs it
+    compiled where one sentence is left (BENCHMARKS.md)."""
     bsz, V = counts.size(0), logits.size(1)
     rows_per = 1 if scores.size(1) == 1 else K
     force = None if at_max is None else at_max[:, None].expand(bsz, rows_per).reshape(-1)

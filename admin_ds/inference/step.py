@@ -343,9 +343,8 @@ class CompiledDecoderStep(DecoderStep):
     def compiled(self, fn: Callable) -> Callable:
         """``fn``, a search's tensor code between two steps (``decode._beam_choices``), compiled for
         this step's searches: its operators fused into a few generated kernels, one call instead of
-        dozens (~0.25 ms of a ~1.65 ms beam-4 step at one sentence, 256-wide; BENCHMARKS.md). Sizes
-        that vary become symbolic after their first change (torch.compile's automatic dynamic
-        shapes), with duck sizing off as for the step's graphs (``_frozen``)."""
+        dozens. Sizes that vary become symbolic after their first change (torch.compile's automatic
+        dynamic shapes), with duck sizing off as for the step's graphs (``_frozen``)."""
         compiled = self._searches.get(fn)
         if compiled is None:
             compiled = self._searches[fn] = torch.compile(_own_code(fn), options=dict(COMPILE_OPTIONS))
