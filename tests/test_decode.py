@@ -865,11 +865,12 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
     reordered between steps, over sources of mixed lengths, the cache grown from 2 positions, the
     first position one row a sentence and the caches kept in place, as beam search runs them (the
     reference's reorders copy; the beam searches below reuse two of these graphs); then
-    beam search (sentences finishing and leaving the batch; its choices between steps compiled as
-    well) against the flat step's, with its scores, on a batch of two sentences and one of eight: steps of few rows and of many, and
-    encoders of few source tokens and of many, each sent to its own kind (all four must run). Every
-    position runs compiled, the first ones included; the logits read encoder keys and values cached
-    eagerly by the step, beam search those of the compiled encoder. Compiling takes one to two
+    beam search (sentences finishing and leaving the batch; its choices between steps compiled
+    while one sentence is left) against the flat step's, with its scores, on a batch of two
+    sentences and one of eight: steps of few rows and of many, and encoders of few source tokens
+    and of many, each sent to its own kind (all four must run). Every position runs compiled, the
+    first ones included; the logits read encoder keys and values cached eagerly by the step, beam
+    search those of the compiled encoder. Compiling takes one to two
     minutes here; it is done once. (Greedy, one hypothesis per sentence, is two more graphs, a
     minute more: bench/decode.py --compile checks its output.)
 
@@ -923,7 +924,7 @@ def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
         assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
     kinds = (step._compiled, step._compiled_many, step._compiled_encoder, step._compiled_encoder_many)
     assert [any(kind is c for c in ran) for kind in kinds] == [True] * 4
-    # Beam search's choices between two steps ran compiled as well (the flat step's run eagerly).
+    # Beam search's choices ran compiled as well, once one sentence was left (the flat step's: eagerly).
     from admin_ds.inference import decode as decode_module
     assert list(step._searches) == [decode_module._beam_choices]
     assert any(c is step._searches[decode_module._beam_choices] for c in ran)

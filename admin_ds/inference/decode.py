@@ -354,7 +354,8 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
             keep = (~done).nonzero().squeeze(1)
             keep_rows = (keep[:, None] * K + torch.arange(K, device=dev)).view(-1)
             sel_rows, counts, orig, max_lens = sel_rows[keep], counts[keep], orig[keep], max_lens[keep]
-            next_tokens, next_scores = next_tokens.index_select(0, keep_rows), next_scores.index_select(0, keep_rows)
+            next_tokens = next_tokens.index_select(0, keep_rows)
+            next_scores = next_scores.index_select(0, keep_rows)
             min_max_len = int(max_lens.min())
             enc, src_pad = enc.index_select(0, keep), src_pad.index_select(0, keep)
             state.reorder_encoder(keep)

@@ -298,8 +298,9 @@ class CompiledDecoderStep(DecoderStep):
 
     Beam search's caches are kept in place (IncrementalState.keep_in_place): its reorder at every
     step copies no key or value, and the attention gathers each row's positions from the buffer
-    rows that hold them. Its choices between two steps run compiled as well (``compiled``). Greedy decoding, which reorders only when sentences finish, reads its rows
-    in place, with the products of ``DecoderStep``.
+    rows that hold them. Its choices between two steps run compiled too while one sentence is left
+    (``compiled``). Greedy decoding, which reorders only when sentences finish, reads its rows in
+    place, with the products of ``DecoderStep``.
 
     The first calls compile (about a minute per kind of search for a base model on two cores;
     inductor keeps a cache on disk for later processes). Sizes that vary (rows as sentences finish,
