@@ -312,8 +312,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     state = IncrementalState(capacity=max_len + 1, reorders_every_step=True)
     step_logits = decoder_step(model)
     enc, src_pad = _encode(model, step_logits, src, state)
-    # Compiled choices where one sentence is left (see _beam_choices), else eager ones.
-    choices = (_beam_choices, _compiled(step_logits, _beam_choices))
+    compiled_choices = _compiled(step_logits, _beam_choices)  # where one sentence is left (see there)
 
     # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
     # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.
@@ -331,7 +330,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     for step in range(max_len + 1):
         logits = step_logits(tokens[:, -1:], enc, src_pad, state)
         at_max = max_lens.le(step) if step >= min_max_len else None
-        choose = choices[counts.size(0) == 1]
+        choose = compiled_choices if counts.size(0) == 1 else _beam_choices
         flags, counts, done, ok, slot, cand_rows, cand_scores, sel_rows, next_tokens, next_scores = choose(
             logits, tokens, scores, counts, at_max, K, step < min_len, pad, eos, unk, unk_penalty)
         any_fin, any_done, all_done = flags.tolist()
