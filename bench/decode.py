@@ -95,7 +95,7 @@ def parse_args(argv=None):
                    help="also ours with every product packed for oneDNN (ADMIN_DS_PACKED_LINEAR=onednn; "
                         "the default packs a step's products for MKL on Intel CPUs)")
     p.add_argument("--compile", action="store_true",
-                   help="also ours with a compiled decoder step (translate.py --compile; fp32)")
+                   help="also ours with a compiled decoder step (translate.py --compile; with --int8 in int8)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
@@ -179,7 +179,7 @@ def models(mf, precision: str, plain: bool, onednn: bool, compiled: bool = False
     from admin_ds.inference.packed import optimize_for_decoding
 
     out = {"admin_ds": optimize_for_decoding(build_from_model_file(mf)[0], precision)}
-    if compiled and precision == "fp32":
+    if compiled:
         out["admin_ds_compiled"] = optimize_for_decoding(build_from_model_file(mf)[0], precision, compile_step=True)
     if plain and precision == "fp32":
         out["admin_ds_plain"] = build_from_model_file(mf)[0].eval()

@@ -9,8 +9,8 @@ sentences come out identical.
 The goal it checks: int8 loses at most 0.3 BLEU. Timings are wall seconds of translate() over the
 whole set (encoding and subword included) with --threads torch threads, glibc malloc's thresholds
 set as translate.py sets them (admin_ds/inference/allocator.py) for every decoder. --compile adds
-fp32 with a compiled decoder step (translate.py --compile), timed on a second pass over the set;
-the first pass, which compiles, is reported beside it.
+fp32 and int8 with a compiled decoder step (translate.py --compile, --int8 --compile), each timed
+on a second pass over the set; the first pass, which compiles, is reported beside it.
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ def parse_args(argv=None):
     p.add_argument("--lenpen", type=float, default=0.6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ct2", action="store_true", help="also CTranslate2 fp32 and int8 (same weights)")
-    p.add_argument("--compile", action="store_true", help="also fp32 with a compiled decoder step")
+    p.add_argument("--compile", action="store_true", help="also fp32 and int8 with a compiled decoder step")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.ct2:
+        # ctranslate2 before torch, as bench/decode.py imports them: the two then share one OpenMP
+        # runtime. Imported after torch, CTranslate2 brings its own, and torch's idle threads slow it.
+        import ctranslate2  # noqa: F401
     import torch
 
     from admin_ds.inference.allocator import tune_malloc_for_decoding
@@ -54,14 +58,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         outputs[precision] = translate(model, subword, src, beam=args.beam, lenpen=args.lenpen)
         rows.append((f"admin_ds {precision}", time.perf_counter() - t0, outputs[precision]))
-    if args.compile:
-        compiled, _, _ = load_for_decoding(args.model, precision="fp32", compile_step=True)
+    for precision in ("fp32", "int8") if args.compile else ():
+        compiled, _, _ = load_for_decoding(args.model, precision=precision, compile_step=True)
         t0 = time.perf_counter()
         translate(compiled, subword, src, beam=args.beam, lenpen=args.lenpen)
         warm_up = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = translate(compiled, subword, src, beam=args.beam, lenpen=args.lenpen)
-        rows.append((f"admin_ds fp32, compiled step (first pass {warm_up:.0f} s)", time.perf_counter() - t0, out))
+        rows.append((f"admin_ds {precision}, compiled step (first pass {warm_up:.0f} s)", time.perf_counter() - t0, out))
     if args.ct2:
         import ctranslate2
 

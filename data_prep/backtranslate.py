@@ -76,7 +76,8 @@ def parse_args(argv=None):
                    help="torch threads per rank for decoding (default: the rank's share of the cores)")
     p.add_argument("--int8", action="store_true", help="CPU: decode with dynamic int8 linear layers")
     p.add_argument("--compile", action="store_true",
-                   help="CPU fp32: compile the decoder step with torch.compile (launch/translate.py --compile)")
+                   help="CPU: compile the decoder step with torch.compile (launch/translate.py --compile; "
+                        "with --int8 in int8)")
     p.add_argument("--min-len", type=int_in(0), default=1)
     p.add_argument("--max-len", type=int_in(1), default=250)
     p.add_argument("--ratio", type=float_in(1), default=1.5)
@@ -86,8 +87,6 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.min_len > a.max_len:
         p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
-    if a.compile and a.int8:
-        p.error("--compile compiles an fp32 decoder step: drop --int8 or --compile")
     return a
 
 

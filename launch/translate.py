@@ -15,10 +15,10 @@ Intel CPUs MKL's packed GEMM for a decoder step's products; faster matrix produc
 small row counts); --plain-linear decodes without that.
 --int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
 per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
-(BENCHMARKS.md: speed and the BLEU change). --compile (CPU, fp32) runs the encoder and each
-decoder step as graphs compiled by torch.compile (admin_ds/inference/step.py): fastest at a few
-sentences per batch, after a minute or more of compilation at the start (cached on disk for the
-next run). On a CPU, glibc malloc keeps freed memory for the next batch
+(BENCHMARKS.md: speed and the BLEU change). --compile (CPU) runs the encoder and each decoder
+step as graphs compiled by torch.compile (admin_ds/inference/step.py): fastest at a few sentences
+per batch, after a minute or more of compilation at the start (cached on disk for the next run);
+with --int8, the same int8 products with the operators between them compiled. On a CPU, glibc malloc keeps freed memory for the next batch
 (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--int8", action="store_true",
                    help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
     p.add_argument("--compile", action="store_true",
-                   help="CPU fp32: compile the encoder and the decoder step with torch.compile (admin_ds/inference/step.py); "
+                   help="CPU: compile the encoder and the decoder step with torch.compile (admin_ds/inference/step.py); "
                         "needs a C++ compiler, compiles for a minute or more first")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
@@ -77,8 +77,8 @@ def parse_args(argv=None):
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
     if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
         p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
-    if args.compile and (args.dtype != "fp32" or args.int8 or args.plain_linear or args.device == "cuda"):
-        p.error("--compile compiles a CPU fp32 decoder step: drop --dtype, --int8, --plain-linear and --device cuda")
+    if args.compile and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
+        p.error("--compile compiles a CPU decoder step from fp32 weights: drop --dtype, --plain-linear and --device cuda")
     return args
 
 

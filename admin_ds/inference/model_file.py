@@ -365,7 +365,7 @@ def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device
     ``dtype``; omega folded away first if ``fold`` (fold.py: the same translations from a vanilla
     Post-LN model); on a CPU in fp32 the weights packed for oneDNN unless ``packed=False``, or
     quantized to int8 with ``precision="int8"`` (CPU fp32 only; admin_ds/inference/packed.py);
-    ``compile_step`` (CPU fp32): a decoder step compiled by torch.compile (inference/step.py)."""
+    ``compile_step`` (CPU, fp32 or int8): a decoder step compiled by torch.compile (inference/step.py)."""
     from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.model.fold import fold_omega
 

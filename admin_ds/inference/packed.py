@@ -29,6 +29,8 @@ from the input's range, multiplies in int32 and rescales to float32. A decoder s
 quarter of the bytes, and VNNI/AMX CPUs multiply int8 several times faster than float32
 (bench/decode.py). Output is no longer exact: the rounding changes logits by ~1% and may flip a
 near-tie between hypotheses (tests/test_decode.py states the tolerance; BENCHMARKS.md the BLEU).
+With a compiled step (translate.py --int8 --compile) the graphs call the same products
+(``_int8_linear``) and compile the operators between them.
 
 This file imports torch, model.py and step.py only.
 """
@@ -37,10 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import platform
 import warnings
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -313,6 +317,23 @@ def _quantized_engine(engine: str) -> Iterator[None]:
         torch.backends.quantized.engine = before
 
 
+# Int8Linear's product as an operator that torch.compile keeps in a graph as it is (a compiled int8
+# step: translate.py --int8 --compile). The packed weight is an object torch.compile cannot trace,
+# so it stays outside the graph, which names it by a number (Int8Linear._key).
+_INT8_WEIGHTS: dict[int, torch.ScriptObject] = {}
+_int8_keys = itertools.count()
+
+
+@torch.library.custom_op("admin_ds::int8_linear", mutates_args=())
+def _int8_linear(x: torch.Tensor, key: int, out_features: int, reduce_range: bool) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(x, _INT8_WEIGHTS[key], reduce_range)
+
+
+@_int8_linear.register_fake
+def _(x: torch.Tensor, key: int, out_features: int, reduce_range: bool) -> torch.Tensor:
+    return x.new_empty(x.size(0), out_features)
+
+
 class Int8Linear(nn.Module):
     """``activation(x @ weight.T + bias)`` in int8: weight rows quantized symmetrically (scale =
     max |row| / 127), the input quantized per call over its range (uint8, one scale per product).
@@ -340,9 +361,24 @@ class Int8Linear(nn.Module):
             wq = torch.quantize_per_channel(w, scale, torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
             b = None if bias is None else bias.detach().float().contiguous()
             self._packed = torch.ops.quantized.linear_prepack(wq, b)
+        self._register()
+
+    def _register(self) -> None:
+        """The packed weight under a key of this module's own, for compiled graphs; dropped with it."""
+        self._key = next(_int8_keys)
+        _INT8_WEIGHTS[self._key] = self._packed
+        weakref.finalize(self, _INT8_WEIGHTS.pop, self._key, None)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._register()  # a copy (copy.deepcopy, pickle) has a packed weight of its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, self.in_features), self._packed, self._reduce_range)
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = _int8_linear(rows, self._key, self.out_features, self._reduce_range)
+        else:
+            y = torch.ops.quantized.linear_dynamic(rows, self._packed, self._reduce_range)
         if self.activation == "relu":
             y = F.relu_(y)
         elif self.activation == "gelu":
@@ -383,33 +419,35 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compil
     a step's Q, K and V, and a tied output projection gets its own copy of the embedding matrix.
     fp32 elsewhere (a GPU, bf16): unchanged; int8 elsewhere: refused.
 
-    ``compile_step`` (CPU, fp32; translate.py --compile): every product stays a Linear layer (a
-    step's Q, K and V in one) and the model gets a compiled decoder step and encoder
-    (step.compile_decoder_step), which generate their own kernels for them.
+    ``compile_step`` (CPU, from float32; translate.py --compile): the model gets a compiled decoder
+    step and encoder (step.compile_decoder_step). In fp32 every product stays a Linear layer (a
+    step's Q, K and V in one), for which they generate their own kernels; in int8 every product is
+    an Int8Linear, which they call as it is, and the operators between the products are compiled.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown decoding precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     model.eval()
     param = next(model.parameters())
     cpu_fp32 = param.device.type == "cpu" and param.dtype == torch.float32
-    if compile_step and (precision != "fp32" or not cpu_fp32):
-        where = f"{precision} on {param.device.type} {str(param.dtype).replace('torch.', '')}"
-        raise ValueError(f"a compiled decoder step decodes on the CPU in float32, not {where}")
-    if compile_step:  # the weights must not require gradients to be compiled in as constants
-        _pack(model.requires_grad_(False), None, compile_step=True)
-        compile_decoder_step(model)
-        return model
+    where = f"{param.device.type} {str(param.dtype).replace('torch.', '')}"
+    if compile_step and not cpu_fp32:
+        raise ValueError(f"a compiled decoder step decodes on the CPU from a float32 model, not {where}")
     if precision == "int8":
         if not cpu_fp32:
-            raise ValueError(f"int8 decoding runs on the CPU from a float32 model, not {param.device.type} "
-                             f"{str(param.dtype).replace('torch.', '')}")
+            raise ValueError(f"int8 decoding runs on the CPU from a float32 model, not {where}")
         if _int8_engine() is None:
             raise NotImplementedError("int8 decoding: this PyTorch build has no working quantized CPU backend")
         make = Int8Linear
+    elif compile_step:
+        make = None
     else:
         if not cpu_fp32 or not _packing_works():
             return model
         make = PackedLinear
+    if compile_step:  # the weights must not require gradients to be compiled in as constants
+        _pack(model.requires_grad_(False), make, compile_step=True)
+        compile_decoder_step(model, product=make)
+        return model
     return _pack(model, make)
 
 
@@ -425,7 +463,8 @@ def _packing_works() -> bool:
 
 def _pack(model: EncoderDecoder, make, compile_step: bool = False) -> EncoderDecoder:
     """optimize_for_decoding's rewrite with ``make`` (PackedLinear, Int8Linear, or None: no Linear
-    replaced); ``compile_step``: a decoder step's products stay Linear layers."""
+    replaced, a step's Q, K and V made one Linear); ``compile_step``: the decoder's encoder keys and
+    values stay Linear layers, which the compiled step stacks into one product."""
     # The products of a decoder step, which run on one or a few rows when few hypotheses are decoded.
     step = {id(m) for layer in model.decoder_layers
             for m in (layer.self_attn.out_proj, layer.encoder_attn.q_proj, layer.encoder_attn.out_proj,
@@ -434,7 +473,7 @@ def _pack(model: EncoderDecoder, make, compile_step: bool = False) -> EncoderDec
     step_backend = _step_backend() if make is PackedLinear else None
 
     def convert(weight: torch.Tensor, bias, activation: str = "none", few_rows: bool = False) -> nn.Module:
-        if compile_step and few_rows:
+        if make is None:
             return _linear(weight, bias)
         if make is PackedLinear:
             return PackedLinear(weight, bias, activation, few_rows=few_rows,
@@ -448,8 +487,11 @@ def _pack(model: EncoderDecoder, make, compile_step: bool = False) -> EncoderDec
                                 few_rows=True)
         step.add(id(attn.qkv_proj))
 
+    stacked = {id(p) for layer in model.decoder_layers for p in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)
+               } if compile_step else set()
+
     def replaced(linear: nn.Module) -> bool:
-        return isinstance(linear, nn.Linear) and make is not None and not (compile_step and id(linear) in step)
+        return isinstance(linear, nn.Linear) and make is not None and id(linear) not in stacked
 
     for module in list(model.modules()):
         if isinstance(module, FeedForward) and module.activation in _FUSED and replaced(module.fc1):
@@ -459,7 +501,7 @@ def _pack(model: EncoderDecoder, make, compile_step: bool = False) -> EncoderDec
         for name, child in list(module.named_children()):
             if replaced(child):
                 setattr(module, name, convert(child.weight, child.bias, few_rows=id(child) in step))
-    if model.output_proj is None and not compile_step:  # tied: the embedding matrix also projects
+    if model.output_proj is None and make is not None:  # tied: the embedding matrix also projects
         model.output_proj = convert(model.target_embedding.weight, None, few_rows=True)
     return model
 

@@ -30,7 +30,7 @@ calls a layer and oneDNN's ~15 us fixed cost per product, goes, and the products
 kernels generated for their shapes. It also compiles the encoder with every layer's encoder keys
 and values, those as one product (``encode``, which the searches call in place of
 ``model.encode``). A minute or more of compilation per process buys ~2x at one sentence
-(BENCHMARKS.md).
+(BENCHMARKS.md). In int8 the products stay the int8 model's own, called from the graphs.
 
 This file imports torch and model.py only.
 """
@@ -53,6 +53,7 @@ from admin_ds.model.transformer import EncoderDecoder
 __all__ = ["CompiledDecoderStep", "DecoderStep", "compile_decoder_step", "decoder_step"]
 
 Product = Callable[[torch.Tensor], torch.Tensor]
+ProductFactory = Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]  # (weight, bias) -> product
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, IncrementalState], torch.Tensor]
 
 
@@ -294,7 +295,9 @@ class CompiledDecoderStep(DecoderStep):
     ``torch.compile`` (inductor): the step's products become C++ kernels over the weights packed
     once, and the operators between them fused, so a step costs little beyond streaming the
     weights. The encoder, with every decoder layer's encoder keys and values, is a graph too
-    (``encode``). CPU, float32, inference only: the weights are compiled in as constants.
+    (``encode``). CPU, float32, inference only: the weights are compiled in as constants. An int8
+    model's products (packed.Int8Linear, translate.py --int8 --compile) are called from the graphs
+    as they are, through an operator of their own, and only the operators between them compiled.
 
     Beam search's caches are kept in place (IncrementalState.keep_in_place): its reorder at every
     step copies no key or value, and the attention gathers each row's positions from the buffer
@@ -316,13 +319,13 @@ class CompiledDecoderStep(DecoderStep):
     # inside the graph).
     always_mask = True
 
-    def __init__(self, model: EncoderDecoder) -> None:
+    def __init__(self, model: EncoderDecoder, product: Optional[ProductFactory] = None) -> None:
         import torch._inductor.config  # noqa: F401  (read by _frozen; imported here, not by every decode)
         import torch.fx.experimental._config  # noqa: F401
 
         super().__init__(model)
         _register_templates_first()
-        self.encoder_kv = _stacked_encoder_kv(self.encoder_attentions)
+        self.encoder_kv = _stacked_encoder_kv(self.encoder_attentions, product)
         def options(**changes) -> dict:
             """A dict of its own for each graph: torch.compile takes guard_filter_fn out of the one it
             is given (a shared dict left the encoder's graphs with every guard on the model)."""
@@ -470,9 +473,10 @@ def _symbolic(t: Optional[torch.Tensor], dims) -> None:
         torch._dynamo.maybe_mark_dynamic(t, dims)
 
 
-def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:
+def _stacked_encoder_kv(attentions: list[nn.Module], product: Optional[ProductFactory] = None) -> nn.Module:
     """One product for the encoder keys and values of every layer: (N, D) -> (N, L * 2 * D), layer
-    by layer keys then values. The layers' own K and V weights become views of its weight."""
+    by layer keys then values. The layers' own K and V weights become views of its weight; with
+    ``product``, that product and the layers' own are ``product(weight, bias)``."""
     projections = [p for a in attentions for p in (a.k_proj, a.v_proj)]
     if not all(type(p) is nn.Linear and p.bias is not None for p in projections):
         raise _Unsupported("encoder keys and values not computed by Linear layers with a bias")
@@ -484,7 +488,11 @@ def _stacked_encoder_kv(attentions: list[nn.Module]) -> nn.Linear:
     for i, p in enumerate(projections):
         p.weight = nn.Parameter(fused.weight[i * d:(i + 1) * d], requires_grad=False)
         p.bias = nn.Parameter(fused.bias[i * d:(i + 1) * d], requires_grad=False)
-    return fused
+    if product is None:
+        return fused
+    for a in attentions:
+        a.k_proj, a.v_proj = (product(p.weight, p.bias) for p in (a.k_proj, a.v_proj))
+    return product(fused.weight, fused.bias)
 
 
 def _own_code(method: Callable) -> Callable:
@@ -547,13 +555,15 @@ def _register_templates_first() -> None:
         selector.add_preprocessing_fn(_templates_first)
 
 
-def compile_decoder_step(model: EncoderDecoder) -> CompiledDecoderStep:
+def compile_decoder_step(model: EncoderDecoder, product: Optional[ProductFactory] = None) -> CompiledDecoderStep:
     """Give ``model`` a compiled decoder step, which ``decoder_step(model)`` returns from now on.
+    ``product`` makes the stacked encoder keys' and values' product from the decoder's Linear layers
+    (their weights, bias) where the model's other products are not Linear layers either (int8).
     Raises ValueError for a model the flat step does not compute (see DecoderStep)."""
     try:
         if "decode" in vars(model):
             raise _Unsupported("not the model's own decode")
-        step = CompiledDecoderStep(model)
+        step = CompiledDecoderStep(model, product)
     except _Unsupported as e:
         raise ValueError(f"a compiled decoder step cannot run this model: {e}") from None
     model.compiled_decoder_step = step
