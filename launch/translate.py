@@ -18,8 +18,9 @@ per product (dynamic quantization, as CTranslate2's int8); faster, and no longer
 (BENCHMARKS.md: speed and the BLEU change). --compile (CPU) runs the encoder and each decoder
 step as graphs compiled by torch.compile (admin_ds/inference/step.py): fastest at a few sentences
 per batch, after a minute or more of compilation at the start (cached on disk for the next run);
-with --int8, the same int8 products with the operators between them compiled. On a CPU, glibc malloc keeps freed memory for the next batch
-(admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
+with --int8, the same int8 products with the operators between them compiled. On a CPU, glibc
+malloc keeps freed memory for the next batch (admin_ds/inference/allocator.py;
+ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's

@@ -124,7 +124,8 @@ class IncrementalState:
     reorders ``origins`` alone. Copying every layer's filled cache at each beam step took 1.4 ms of
     a ~12 ms step at 64 sentences x 4 beams (BENCHMARKS.md). Reading through ``origins`` costs
     more than reading rows in place, so a search that reorders only when sentences finish (greedy)
-    keeps the copying reorder.
+    keeps the copying reorder. A growth of the caches gathers each row's positions into a buffer
+    of the rows then decoded: the buffer rows of finished sentences are not carried on.
     """
 
     def __init__(self, capacity: int = 64, reorders_every_step: bool = False) -> None:
