@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     if args.ct2:
         # ctranslate2 before torch, as bench/decode.py imports them: the two then share one OpenMP
         # runtime. Imported after torch, CTranslate2 brings its own, and torch's idle threads slow it.
-        import ctranslate2  # noqa: F401
+        import ctranslate2
     import torch
 
     from admin_ds.inference.allocator import tune_malloc_for_decoding
@@ -67,8 +67,6 @@ def main(argv=None) -> int:
         out = translate(compiled, subword, src, beam=args.beam, lenpen=args.lenpen)
         rows.append((f"admin_ds {precision}, compiled step (first pass {warm_up:.0f} s)", time.perf_counter() - t0, out))
     if args.ct2:
-        import ctranslate2
-
         from admin_ds.inference import export
 
         with tempfile.TemporaryDirectory(prefix="int8_quality_") as tmp:

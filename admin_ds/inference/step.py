@@ -476,7 +476,7 @@ def _symbolic(t: Optional[torch.Tensor], dims) -> None:
 def _stacked_encoder_kv(attentions: list[nn.Module], product: Optional[ProductFactory] = None) -> nn.Module:
     """One product for the encoder keys and values of every layer: (N, D) -> (N, L * 2 * D), layer
     by layer keys then values. The layers' own K and V weights become views of its weight; with
-    ``product``, that product and the layers' own are ``product(weight, bias)``."""
+    ``product``, it and the layers' own are ``product(weight, bias)`` instead."""
     projections = [p for a in attentions for p in (a.k_proj, a.v_proj)]
     if not all(type(p) is nn.Linear and p.bias is not None for p in projections):
         raise _Unsupported("encoder keys and values not computed by Linear layers with a bias")
@@ -485,14 +485,14 @@ def _stacked_encoder_kv(attentions: list[nn.Module], product: Optional[ProductFa
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in projections]))
         fused.bias.copy_(torch.cat([p.bias for p in projections]))
+    if product is not None:
+        for a in attentions:
+            a.k_proj, a.v_proj = (product(p.weight, p.bias) for p in (a.k_proj, a.v_proj))
+        return product(fused.weight, fused.bias)
     for i, p in enumerate(projections):
         p.weight = nn.Parameter(fused.weight[i * d:(i + 1) * d], requires_grad=False)
         p.bias = nn.Parameter(fused.bias[i * d:(i + 1) * d], requires_grad=False)
-    if product is None:
-        return fused
-    for a in attentions:
-        a.k_proj, a.v_proj = (product(p.weight, p.bias) for p in (a.k_proj, a.v_proj))
-    return product(fused.weight, fused.bias)
+    return fused
 
 
 def _own_code(method: Callable) -> Callable:
