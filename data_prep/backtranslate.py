@@ -197,7 +197,8 @@ def translate_shard(model, subword, lines: list[str], a, seed: int) -> list[str]
 
 
 def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tuple[list[dict], dict]:
-    """(every shard's key, this rank's {"lines", "decode_s", "write_s"} for the shards it translated)."""
+    """(every shard's key, this rank's {"lines", "decode_s", "write_s"} for the shards it translated,
+    and with --compile "compile_s", the part of decode_s spent compiling)."""
     (a.out / "shards").mkdir(parents=True, exist_ok=True)
     bounds = shard_bounds(len(lines), a.shards)
     opts = {"method": a.method, "beam": a.beam, "lenpen": a.lenpen, "topk": a.topk,
@@ -232,6 +233,10 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tu
         done["decode_s"] += t1 - t0
         done["write_s"] += time.perf_counter() - t1
         log(f"[bt] shard {i}: {e - s} lines translated ({a.method}) in {dt:.1f}s")
+    if a.compile and model is not None:
+        from admin_ds.inference.step import compilation_seconds
+
+        done["compile_s"] = compilation_seconds()  # within decode_s: the first batches compile
     return keys, done
 
 
@@ -374,14 +379,17 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
 def throughput_report(timings: dict, per_rank: list[dict], cores: list[list[int]], threads: int) -> dict:
     """Sentences/s and the share of the wall time in decoding vs the rest, from rank 0's clock
     (``timings``: seconds of each phase) and every rank's shard work (``per_rank``). Decoding is
-    the ranks' mean decode time (they decode at the same time); "waiting" is the translate phase's
+    the ranks' mean decode time (they decode at the same time), less the part spent compiling with
+    --compile (its own entry; the first batches compile); "waiting" is the translate phase's
     wall time that no rank spent decoding or writing on average (imbalance between ranks)."""
     total = sum(timings.values())
     n = sum(r["lines"] for r in per_rank)
     world = len(per_rank)
+    compiling = sum(r.get("compile_s", 0.0) for r in per_rank) / world
     decode = sum(r["decode_s"] for r in per_rank) / world
     write = sum(r["write_s"] for r in per_rank) / world
-    split = {"decoding": decode, "start-up and reading mono": timings["read"], "loading model": timings["load"],
+    split = {"decoding": decode - compiling, "compiling the decoder step": compiling,
+             "start-up and reading mono": timings["read"], "loading model": timings["load"],
              "writing shards": write, "waiting for other ranks": max(timings["translate"] - decode - write, 0.0),
              "combining": timings["combine"]}
     return {"sentences_translated": n, "ranks": world, "threads_per_rank": threads, "cores_per_rank": cores,

@@ -17,8 +17,11 @@ small row counts); --plain-linear decodes without that.
 per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
 (BENCHMARKS.md: speed and the BLEU change). --compile (CPU) runs the encoder and each decoder
 step as graphs compiled by torch.compile (admin_ds/inference/step.py): fastest at a few sentences
-per batch, after a minute or more of compilation at the start (cached on disk for the next run);
-with --int8, the same int8 products with the operators between them compiled. On a CPU, glibc
+per batch, after one to three minutes of compilation at the start of every process (inductor's
+disk cache shortens a later process's to ~0.6x in fp32, ~0.5x in int8), so it pays for large
+inputs (from ~50,000 sentences of a 256-wide model on two cores: BENCHMARKS.md), and the summary
+line says how much of the time went to compiling; with --int8, the same int8 products with the
+operators between them compiled. On a CPU, glibc
 malloc keeps freed memory for the next batch (admin_ds/inference/allocator.py;
 ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
@@ -66,7 +69,7 @@ def parse_args(argv=None):
                    help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
     p.add_argument("--compile", action="store_true",
                    help="CPU: compile the encoder and the decoder step with torch.compile (admin_ds/inference/step.py); "
-                        "needs a C++ compiler, compiles for a minute or more first")
+                        "needs a C++ compiler; compiles for minutes in every process first: for large inputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
@@ -160,9 +163,14 @@ def main(argv=None) -> int:
         if rank == 0:
             results.buffer.write("".join(f"{line}\n" for part in parts for line in part).encode("utf-8"))
             results.flush()
+            compiled = ""
+            if args.compile:
+                from admin_ds.inference.step import compilation_seconds
+
+                compiled = f", compiled step ({compilation_seconds():.1f}s of it compiling)"
             print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.2f}s on {world} rank(s), "
                   f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {'int8' if args.int8 else args.dtype}"
-                  f"{', compiled step' if args.compile else ''}"
+                  f"{compiled}"
                   f"{', folded' if args.fold else ''}; model {args.checkpoint}",
                   file=sys.stderr)
     return 0

@@ -983,6 +983,24 @@ def test_compiled_decoder_step_refused_off_cpu_fp32(copy_models, precision):
         optimize_for_decoding(copy.deepcopy(copy_models.half).to(torch.bfloat16), precision, compile_step=True)
 
 
+def test_compilation_seconds_grows_when_something_compiles():
+    """translate.py --compile reports how much of its time went to compiling
+    (step.compilation_seconds, read from torch.compile's own record): it must grow when a function
+    is compiled, and stay where it was when the compiled function runs again."""
+    from admin_ds.inference.step import compilation_seconds
+
+    def twice_plus_one(x):
+        return x * 2 + 1
+
+    before = compilation_seconds()
+    f = torch.compile(twice_plus_one, backend="eager")
+    assert torch.equal(f(torch.arange(3.0)), torch.tensor([1.0, 3.0, 5.0]))
+    after = compilation_seconds()
+    assert after > before
+    f(torch.arange(3.0))
+    assert compilation_seconds() == after
+
+
 # ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------
 
 

@@ -50,7 +50,7 @@ from admin_ds.model.layers import DecoderLayer, IncrementalState, Unpadded
 from admin_ds.model.residual import OmegaResidual, PlainResidual, ScaledResidual
 from admin_ds.model.transformer import EncoderDecoder
 
-__all__ = ["CompiledDecoderStep", "DecoderStep", "compile_decoder_step", "decoder_step"]
+__all__ = ["CompiledDecoderStep", "DecoderStep", "compilation_seconds", "compile_decoder_step", "decoder_step"]
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 ProductFactory = Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]  # (weight, bias) -> product
@@ -277,9 +277,9 @@ class DecoderStep:
 # A step's graph of few rows compiled at up to 8 rows (CompiledDecoderStep.template_rows) takes the
 # generated kernel wherever the template applies, with no benchmark (``_templates_first``): at 1-8
 # rows it took 0.57-1.02x ATen's time on the Intel Xeon and 0.20-0.95x at 4 rows on the AMD EPYC
-# (Zen 4), while a benchmark on a busy machine can pick ATen, and inductor keeps the compiled graph
-# on disk for every later process: a 256-wide beam search's step at up to twice the time
-# (BENCHMARKS.md). The template alone fails on some shapes (no valid choice), hence ATen beside it.
+# (Zen 4), while a benchmark on a busy machine can pick ATen, and inductor's autotuning cache on
+# disk would keep that choice for every later process: a 256-wide beam search's step at up to
+# twice the time (BENCHMARKS.md). The template alone fails on some shapes (no valid choice), hence ATen beside it.
 # The benchmark's tables and statistics are not printed. A call's own cost counts at one sentence,
 # so the generated code does not check the size and alignment of each kernel's result (~0.1 ms a
 # step, 4-5% of a small model's), and the guards check the arguments alone (``_argument_guards``;
@@ -305,8 +305,11 @@ class CompiledDecoderStep(DecoderStep):
     (``compiled``). Greedy decoding, which reorders only when sentences finish, reads its rows in
     place, with the products of ``DecoderStep``.
 
-    The first calls compile (about a minute per kind of search for a base model on two cores;
-    inductor keeps a cache on disk for later processes). Sizes that vary (rows as sentences finish,
+    The first calls compile (about a minute per kind of search for a base model on two cores), in
+    every process: inductor's cache on disk keeps the generated C++ kernels and, in int8, the
+    graphs, but no float32 graph, which holds oneDNN's packed weights (inductor cannot store
+    those); a second process compiled a 256-wide model's float32 graphs in 0.6x the first one's
+    time, its int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). Sizes that vary (rows as sentences finish,
     cached and source positions, sentences) are symbolic from the first graph; torch.compile makes
     a size or count of 0 or 1 a constant. So the position count, a Python int, makes three graphs
     of a step (the first position, with nothing cached; the second; every later one), and one
@@ -568,6 +571,18 @@ def compile_decoder_step(model: EncoderDecoder, product: Optional[ProductFactory
         raise ValueError(f"a compiled decoder step cannot run this model: {e}") from None
     model.compiled_decoder_step = step
     return step
+
+
+def compilation_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far, tracing to generated code (dynamo's
+    ``_compile.compile_inner``, as ``torch._dynamo.utils.compile_times`` reports it); 0.0 where this
+    torch keeps no such record. A compiled step's start-up cost is paid again in every process:
+    inductor keeps no graph on disk that holds oneDNN's packed weights (BENCHMARKS.md)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
 
 
 def decoder_step(model: nn.Module) -> Step:
