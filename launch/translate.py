@@ -21,9 +21,8 @@ per batch, after one to three minutes of compilation at the start of every proce
 disk cache shortens a later process's to ~0.6x in fp32, ~0.5x in int8), so it pays for large
 inputs (from ~50,000 sentences of a 256-wide model on two cores: BENCHMARKS.md), and the summary
 line says how much of the time went to compiling; with --int8, the same int8 products with the
-operators between them compiled. On a CPU, glibc
-malloc keeps freed memory for the next batch (admin_ds/inference/allocator.py;
-ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
+operators between them compiled. On a CPU, glibc malloc keeps freed memory for the next batch
+(admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's

@@ -279,7 +279,8 @@ class DecoderStep:
 # rows it took 0.57-1.02x ATen's time on the Intel Xeon and 0.20-0.95x at 4 rows on the AMD EPYC
 # (Zen 4), while a benchmark on a busy machine can pick ATen, and inductor's autotuning cache on
 # disk would keep that choice for every later process: a 256-wide beam search's step at up to
-# twice the time (BENCHMARKS.md). The template alone fails on some shapes (no valid choice), hence ATen beside it.
+# twice the time (BENCHMARKS.md). The template alone fails on some shapes (no valid choice), hence
+# ATen beside it.
 # The benchmark's tables and statistics are not printed. A call's own cost counts at one sentence,
 # so the generated code does not check the size and alignment of each kernel's result (~0.1 ms a
 # step, 4-5% of a small model's), and the guards check the arguments alone (``_argument_guards``;
@@ -309,10 +310,10 @@ class CompiledDecoderStep(DecoderStep):
     every process: inductor's cache on disk keeps the generated C++ kernels and, in int8, the
     graphs, but no float32 graph, which holds oneDNN's packed weights (inductor cannot store
     those); a second process compiled a 256-wide model's float32 graphs in 0.6x the first one's
-    time, its int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). Sizes that vary (rows as sentences finish,
-    cached and source positions, sentences) are symbolic from the first graph; torch.compile makes
-    a size or count of 0 or 1 a constant. So the position count, a Python int, makes three graphs
-    of a step (the first position, with nothing cached; the second; every later one), and one
+    time, its int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). Sizes that
+    vary (rows as sentences finish, cached and source positions, sentences) are symbolic from the
+    first graph; torch.compile makes a size or count of 0 or 1 a constant. So the position count, a
+    Python int, makes three graphs of a step (the first position, with nothing cached; the second; every later one), and one
     sentence and several make two of the encoder. Few rows and many (``few_rows``, ``few_tokens``)
     have graphs of their own, with generated products and with ATen's. A greedy and a beam search,
     one sentence or many, then make one to two dozen graphs, not one per shape. Measured against
