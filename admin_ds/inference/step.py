@@ -308,16 +308,16 @@ class CompiledDecoderStep(DecoderStep):
 
     The first calls compile (about a minute per kind of search for a base model on two cores), in
     every process: inductor's cache on disk keeps the generated C++ kernels and, in int8, the
-    graphs, but no float32 graph, which holds oneDNN's packed weights (inductor cannot store
-    those); a second process compiled a 256-wide model's float32 graphs in 0.6x the first one's
-    time, its int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). Sizes that
-    vary (rows as sentences finish, cached and source positions, sentences) are symbolic from the
-    first graph; torch.compile makes a size or count of 0 or 1 a constant. So the position count, a
-    Python int, makes three graphs of a step (the first position, with nothing cached; the second;
-    every later one), and one sentence and several make two of the encoder. Few rows and many (``few_rows``, ``few_tokens``)
-    have graphs of their own, with generated products and with ATen's. A greedy and a beam search,
-    one sentence or many, then make one to two dozen graphs, not one per shape. Measured against
-    DecoderStep and CTranslate2: BENCHMARKS.md."""
+    graphs, but no float32 graph, which holds oneDNN's packed weights (inductor cannot store those);
+    a second process compiled a 256-wide model's float32 graphs in 0.6x the first one's time, its
+    int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). Sizes that vary (rows as
+    sentences finish, cached and source positions, sentences) are symbolic from the first graph;
+    torch.compile makes a size or count of 0 or 1 a constant. So the position count, a Python int,
+    makes three graphs of a step (the first position, with nothing cached; the second; every later
+    one), and one sentence and several make two of the encoder. Few rows and many (``few_rows``,
+    ``few_tokens``) have graphs of their own, with generated products and with ATen's. A greedy and
+    a beam search, one sentence or many, then make one to two dozen graphs, not one per shape.
+    Measured against DecoderStep and CTranslate2: BENCHMARKS.md."""
 
     # One graph for every batch, with or without source padding alike (a mask of zeros is free
     # inside the graph).
