@@ -65,7 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--int8", action="store_true", help="also the --int8 rows")
     p.add_argument("--repeat", type=int, default=3, help="the longer runs translate the input this many times")
     p.add_argument("--out", type=Path, help="append the report (markdown) to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeat < 2:
+        p.error(f"--repeat {args.repeat}: at least 2 (two input sizes make the line)")
+    return args
 
 
 def run(args, options: list[str], cache: Path, src: Path) -> dict:
