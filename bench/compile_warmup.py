@@ -6,12 +6,15 @@
 Each row is the real command (launch/translate.py) in a process of its own, one after another:
 eager, then compiled with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` a new directory),
 then compiled again with the cache that run left, the way a second job on the same machine starts
-(``--int8`` rows too with --int8). Eager and the second compiled run also translate the input
+(``--int8`` rows too with --int8), and in fp32 with the graphs kept on disk (``--compiled-dir``): built
+by the first such run, from an empty inductor cache, and loaded by the next ones. Eager and the
+second compiled run (and the second on-disk run) also translate the input
 repeated ``--repeat`` times: the two sizes give each its time per sentence and its fixed cost
 besides compiling (a straight line through the two, each run's compiling taken out), and the
 break-even is the input size from which the compiled process is done first: its compiling and
-extra fixed cost over what it saves a sentence. For each compiled run: the time torch.compile spent compiling (dynamo's
-``_compile.compile_inner``, tracing to generated code), the graphs compiled, and what inductor's
+extra fixed cost over what it saves a sentence. For each compiled run: the time spent compiling
+(``admin_ds.inference.step.compilation_seconds``: torch.compile's tracing to generated code, and
+the builds of graphs kept on disk), the graphs torch.compile compiled, and what inductor's
 graph cache on disk did for them (hits, misses, bypasses with the reason inductor logs).
 """
 
@@ -45,8 +48,9 @@ class Keep(logging.Handler):
 logging.getLogger("torch._inductor.codecache").addHandler(Keep())
 logging.getLogger("torch._inductor.codecache").setLevel(logging.INFO)
 def report():
-    from torch._dynamo.utils import compilation_time_metrics, counters
-    json.dump({"compile_s": sum(compilation_time_metrics.get("_compile.compile_inner", [])),
+    from torch._dynamo.utils import counters
+    from admin_ds.inference.step import compilation_seconds
+    json.dump({"compile_s": compilation_seconds(),
                "graphs": counters["stats"]["unique_graphs"],
                "inductor": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
                "bypass": sorted(set(reasons))}, open(out, "w"))
@@ -105,29 +109,40 @@ def main(argv=None) -> int:
         for precision in ["fp32"] + (["int8"] if args.int8 else []):
             flags = ["--int8"] if precision == "int8" else []
             cache = Path(tmp) / f"inductor_{precision}"  # empty: a cold start
+            compiled = [*flags, "--compile"]
+            plan = [("eager", flags, args.src), ("eager, repeated", flags, repeated),
+                    ("compiled, empty cache", compiled, args.src),
+                    ("compiled, its cache again", compiled, args.src),
+                    ("compiled, its cache, repeated", compiled, repeated)]
+            if precision == "fp32":  # graphs on disk (--compiled-dir), from an inductor cache of their own
+                on_disk = [*compiled, "--compiled-dir", str(Path(tmp) / "graphs")]
+                plan += [("graphs on disk, empty cache: built", on_disk, args.src),
+                         ("graphs on disk: loaded", on_disk, args.src),
+                         ("graphs on disk: loaded, repeated", on_disk, repeated)]
             runs = {}
-            for name, options, src in (("eager", flags, args.src), ("eager, repeated", flags, repeated),
-                                       ("compiled, empty cache", [*flags, "--compile"], args.src),
-                                       ("compiled, its cache again", [*flags, "--compile"], args.src),
-                                       ("compiled, its cache, repeated", [*flags, "--compile"], repeated)):
-                runs[name] = run(args, options, cache, src)
+            for name, options, src in plan:
+                runs[name] = run(args, options, cache if "on disk" not in name else Path(tmp) / "inductor_disk", src)
                 print(f"{precision} {name}: {runs[name]['wall']:.1f} s", file=sys.stderr, flush=True)
             eager = line(runs["eager"], runs["eager, repeated"], n, args.repeat)
-            compiled = line(runs["compiled, its cache again"], runs["compiled, its cache, repeated"], n, args.repeat)
+            fits = {"compiled": line(runs["compiled, its cache again"], runs["compiled, its cache, repeated"], n, args.repeat)}
+            if "graphs on disk: loaded" in runs:
+                fits["graphs on disk"] = line(runs["graphs on disk: loaded"], runs["graphs on disk: loaded, repeated"],
+                                              n, args.repeat)
             for name, r in runs.items():
                 sentences = n * args.repeat if "repeated" in name else n
                 even = "-"
-                if name in ("compiled, empty cache", "compiled, its cache again"):
-                    saved = eager[1] - compiled[1]
-                    even = f"{(r['compile_s'] + compiled[0] - eager[0]) / saved:,.0f}" if saved > 0 else "never"
+                if "repeated" not in name and name != "eager":
+                    fit = fits["graphs on disk" if "on disk" in name else "compiled"]
+                    saved = eager[1] - fit[1]
+                    even = f"{(r['compile_s'] + fit[0] - eager[0]) / saved:,.0f}" if saved > 0 else "never"
                 cache_use = ", ".join(f"{k.removeprefix('fxgraph_cache_')} {v}"
                                       for k, v in sorted(r["inductor"].items()))
                 rows.append(f"| {precision} | {name} | {sentences} | {r['wall']:.1f} | {r['compile_s']:.1f} | "
                             f"{r['graphs']} | {cache_use or '-'} | {even} |")
             lines.append(f"- {precision}: eager {eager[0]:.1f} s fixed + {1000 * eager[1]:.2f} ms a sentence "
-                         f"({1 / eager[1]:.1f} sentences/s); compiled, its cache again, {compiled[0]:.1f} s fixed "
-                         f"besides compiling + {1000 * compiled[1]:.2f} ms a sentence ({1 / compiled[1]:.1f} "
-                         "sentences/s)")
+                         f"({1 / eager[1]:.1f} sentences/s); " + "; ".join(
+                             f"{name}, {fixed:.1f} s fixed besides compiling + {1000 * per:.2f} ms a sentence "
+                             f"({1 / per:.1f} sentences/s)" for name, (fixed, per) in fits.items()))
             reasons = sorted({reason for r in runs.values() for reason in r["bypass"]})
             if reasons:
                 lines.append(f"- {precision}: inductor's graph cache bypassed: " + "; ".join(reasons))
@@ -138,7 +153,7 @@ def main(argv=None) -> int:
         f"- hardware: {hardware()}",
         f"- input: {args.src} ({n} sentences; repeated: {args.repeat} times), {args.method}, {args.threads} threads; "
         "every row a process of its own, one after another\n",
-        "| precision | run | sentences | process wall s | of which compiling s | graphs | inductor graph cache | "
+        "| precision | run | sentences | process wall s | of which compiling s | torch.compile graphs | inductor graph cache | "
         "break-even (sentences) |", "|---|---|---:|---:|---:|---:|---|---:|", *rows, "", *lines]) + "\n"
     print(report)
     if args.out:

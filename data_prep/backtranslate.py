@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -78,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="CPU: compile the decoder step with torch.compile (launch/translate.py --compile; "
                         "with --int8 in int8)")
+    p.add_argument("--compiled-dir", type=Path, default=None, metavar="DIR",
+                   help="with --compile, fp32: keep the compiled graphs in DIR, built once and loaded by every "
+                        "later rank and run (launch/translate.py --compiled-dir)")
     p.add_argument("--min-len", type=int_in(0), default=1)
     p.add_argument("--max-len", type=int_in(1), default=250)
     p.add_argument("--ratio", type=float_in(1), default=1.5)
@@ -87,6 +90,8 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.min_len > a.max_len:
         p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
+    if a.compiled_dir is not None and (not a.compile or a.int8):
+        p.error("--compiled-dir keeps the graphs of --compile in fp32: add --compile, drop --int8")
     return a
 
 
@@ -216,7 +221,7 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tu
             log(f"[bt] shard {i}: already done, skipped")
             continue
         if model is None:
-            model, subword, _ = load_model(a.model, a.trust_unverified, a.int8, a.compile)
+            model, subword, _ = load_model(a.model, a.trust_unverified, a.int8, a.compile, a.compiled_dir)
         t0 = time.perf_counter()
         s, e = bounds[i]
         src = translate_shard(model, subword, lines[s:e], a, a.seed + i)
@@ -243,12 +248,13 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tu
 _MODEL_CACHE: dict = {}
 
 
-def load_model(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False):
+def load_model(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False,
+               compiled_dir: Optional[Path] = None):
     """The reverse model and its subword model, loaded once per process (admin_ds/inference/
     model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
     torchrun or deepspeed), else on the CPU with oneDNN packed weights (or int8 ones), malloc's
     thresholds set for decoding (admin_ds/inference/allocator.py); ``compile_step``: on the CPU,
-    with a compiled decoder step (admin_ds/inference/step.py)."""
+    with a compiled decoder step (admin_ds/inference/step.py), its graphs kept in ``compiled_dir``."""
     if "model" not in _MODEL_CACHE:
         import torch
 
@@ -267,16 +273,18 @@ def load_model(path: Path, trust_unverified: bool = False, int8: bool = False, c
                 raise PrepError(str(e)) from None
         try:
             _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified,
-                                                      precision="int8" if int8 else "fp32", compile_step=compile_step)
+                                                      precision="int8" if int8 else "fp32", compile_step=compile_step,
+                                                      compiled_dir=compiled_dir)
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             raise PrepError(f"--model {path}: {e}") from None
     return _MODEL_CACHE["model"]
 
 
-def model_identity(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False) -> dict:
+def model_identity(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False,
+                   compiled_dir: Optional[Path] = None) -> dict:
     """What identifies the reverse model: the model file's checksum, or the run checkpoint's
     source/tag/update and subword checksum; and the precision it decodes in."""
-    _, _, mf = load_model(path, trust_unverified, int8, compile_step)
+    _, _, mf = load_model(path, trust_unverified, int8, compile_step, compiled_dir)
     ident = {"path": str(path.resolve()), "subword_sha256": mf.subword_sha256,
              "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang"),
              "precision": "int8" if int8 else "fp32"}
@@ -416,7 +424,7 @@ def run(a) -> int:
         torch.set_num_threads(threads)
         manifest, sp = check_inputs(a)
         t_load = time.perf_counter()
-        model_id = model_identity(a.model, a.trust_unverified, a.int8, a.compile)
+        model_id = model_identity(a.model, a.trust_unverified, a.int8, a.compile, a.compiled_dir)
         t_read = time.perf_counter()
         if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
             log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "

@@ -21,7 +21,9 @@ per batch, after one to three minutes of compilation at the start of every proce
 disk cache shortens a later process's to ~0.6x in fp32, ~0.5x in int8), so it pays for large
 inputs (from ~50,000 sentences of a 256-wide model on two cores: BENCHMARKS.md), and the summary
 line says how much of the time went to compiling; with --int8, the same int8 products with the
-operators between them compiled. On a CPU, glibc malloc keeps freed memory for the next batch
+operators between them compiled. --compiled-dir DIR (fp32) keeps the compiled graphs in DIR
+(admin_ds/inference/packages.py): built the first time a run needs them, loaded by every later run
+of that model on that machine in seconds, so --compile pays from a few thousand sentences. On a CPU, glibc malloc keeps freed memory for the next batch
 (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
@@ -36,6 +38,7 @@ Sampling seeds rank r with --seed + r.
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from admin_ds.arguments import existing_path, float_in, input_file, int_in
 
@@ -69,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="CPU: compile the encoder and the decoder step with torch.compile (admin_ds/inference/step.py); "
                         "needs a C++ compiler; compiles for minutes in every process first: for large inputs")
+    p.add_argument("--compiled-dir", type=Path, default=None, metavar="DIR",
+                   help="with --compile, fp32: keep the compiled graphs in DIR (AOTInductor packages, "
+                        "admin_ds/inference/packages.py), compiled once for this model and machine; "
+                        "later runs load them in about a second")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
@@ -80,6 +87,9 @@ def parse_args(argv=None):
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
     if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
         p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
+    if args.compiled_dir is not None and (not args.compile or args.int8):
+        p.error("--compiled-dir keeps the graphs of --compile in fp32: add --compile, drop --int8 "
+                "(inductor's own cache keeps the int8 graphs)")
     if args.compile and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
         p.error("--compile compiles a CPU decoder step from fp32 weights: drop --dtype, --plain-linear and --device cuda")
     return args
@@ -148,7 +158,8 @@ def main(argv=None) -> int:
             lines = read_input(str(args.input), rank)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
                                                   packed=not args.plain_linear, trust_unverified=args.trust_unverified,
-                                                  precision="int8" if args.int8 else "fp32", compile_step=args.compile)
+                                                  precision="int8" if args.int8 else "fp32", compile_step=args.compile,
+                                                  compiled_dir=args.compiled_dir)
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -166,7 +177,12 @@ def main(argv=None) -> int:
             if args.compile:
                 from admin_ds.inference.step import compilation_seconds
 
-                compiled = f", compiled step ({compilation_seconds():.1f}s of it compiling)"
+                compiled = f", compiled step ({compilation_seconds():.1f}s of it compiling"
+                packages = model.compiled_decoder_step.packages
+                if packages is not None:
+                    compiled += (f"; graphs on disk: {len(packages.built)} built in {packages.build_seconds:.1f}s, "
+                                 f"{len(packages.loaded) - len(packages.built)} loaded in {packages.load_seconds:.1f}s")
+                compiled += ")"
             print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.2f}s on {world} rank(s), "
                   f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {'int8' if args.int8 else args.dtype}"
                   f"{compiled}"

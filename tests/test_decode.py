@@ -15,6 +15,7 @@ import math
 import os
 import random
 import shutil
+import stat
 import time
 
 import pytest
@@ -1000,6 +1001,94 @@ def test_compilation_seconds_grows_when_something_compiles():
     f(torch.arange(3.0))
     assert compilation_seconds() == after
 
+
+
+@needs_cpp_compiler
+def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, monkeypatch):
+    """translate.py --compile --compiled-dir: the step's and the encoder's graphs exported and
+    compiled ahead of time into packages on disk (packages.py). Greedy and beam search over two
+    sentences, and beam search over one (greedy's caches one a row, beam search's kept in place,
+    one buffer row at one sentence's first step) give the flat step's tokens and scores, every step and encoder call running from a
+    package, none through torch.compile's graphs of them; a second model, as a later process makes
+    it, loads every package and builds none, with the same results; a package that does not load
+    (a truncated file) is built again; other weights are other packages. Products are ATen's, not
+    autotuned, as in the test above (minutes less here)."""
+    from admin_ds.inference import step as step_module
+    from admin_ds.inference.packages import GraphPackages
+    from admin_ds.inference.packed import optimize_for_decoding
+
+    monkeypatch.setitem(step_module.COMPILE_OPTIONS, "max_autotune", False)
+    model, _, _ = tiny_model_and_batch(dict(init="admin"))
+    flat = packed_copy(model)
+    src, _ = sources(21, 2)
+    assert bool(src.eq(PAD).any())
+    kw = dict(max_len_a=1.0, max_len_b=3)
+    want = greedy(flat, src, **kw), beam_search(flat, src, beam=4, nbest=2, **kw) + beam_search(flat, src[:1], beam=4, nbest=2, **kw)
+    compiled_graphs = []  # torch.compile's step and encoder graphs that ran
+    frozen = step_module._frozen
+
+    def record(compiled, *args, **kw):
+        step = compiled_graphs_of.get(id(compiled))
+        if step is not None:
+            compiled_graphs.append(step)
+        return frozen(compiled, *args, **kw)
+
+    monkeypatch.setattr(step_module, "_frozen", record)
+    compiled_graphs_of = {}
+
+    def searched(directory):
+        m = optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=directory)
+        step = m.compiled_decoder_step
+        for name in ("_compiled", "_compiled_many", "_compiled_encoder", "_compiled_encoder_many"):
+            compiled_graphs_of[id(getattr(step, name))] = name
+        beams = beam_search(m, src, beam=4, nbest=2, **kw) + beam_search(m, src[:1], beam=4, nbest=2, **kw)
+        return (greedy(m, src, **kw), beams), step.packages
+
+    def assert_same(got):
+        assert got[0] == want[0]
+        assert [[h.tokens for h in n] for n in got[1]] == [[h.tokens for h in n] for n in want[1]]
+        assert [h.score for n in got[1] for h in n] == pytest.approx([h.score for n in want[1] for h in n], abs=1e-5)
+
+    got, packages = searched(tmp_path / "graphs")
+    assert_same(got)
+    assert compiled_graphs == []
+    kinds = {"encoder-few", "step-few-first-per1", "step-few-later-per1",
+             "step-few-first-per1-in-place", "step-few-later-per4-in-place", "step-few-first-per1-in-place-one-row"}
+    assert set(packages.built) == set(packages.loaded) == kinds
+    assert stat.S_IMODE((tmp_path / "graphs").stat().st_mode) == 0o700
+
+    got, again = searched(tmp_path / "graphs")
+    assert_same(got)
+    assert compiled_graphs == [] and again.built == [] and set(again.loaded) == kinds and again.key == packages.key
+
+    again.path("encoder-few").write_bytes(again.path("encoder-few").read_bytes()[:1000])
+    got, rebuilt = searched(tmp_path / "graphs")
+    assert_same(got)
+    assert rebuilt.built == ["encoder-few"] and set(rebuilt.loaded) == kinds
+
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.decoder_layers[0].ffn.fc1.weight[0, 0] += 1e-3
+    other_step = optimize_for_decoding(other, "fp32", compile_step=True, compiled_dir=tmp_path / "graphs").compiled_decoder_step
+    assert isinstance(other_step.packages, GraphPackages) and other_step.packages.key != packages.key
+
+
+def test_compiled_graphs_directory_must_be_the_users_own(tmp_path):
+    """A package is a shared library that the process runs: a directory others may write to is
+    refused with its name and mode, before anything is compiled or loaded; so is a file."""
+    from admin_ds.inference.packed import optimize_for_decoding
+
+    model, _, _ = tiny_model_and_batch(dict(init="admin"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ValueError, match=rf"{shared}: writable by others \(mode 777\)"):
+        optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=shared)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory|File exists"):
+        optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=tmp_path / "file")
+    with pytest.raises(ValueError, match="compiled fp32 step only"):
+        optimize_for_decoding(copy.deepcopy(model), "int8", compile_step=True, compiled_dir=tmp_path / "graphs")
 
 # ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------
 

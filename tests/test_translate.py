@@ -199,6 +199,15 @@ def test_translate_int8(run_dir, input_file, lines, single_rank_output):
             "--int8")
 
 
+def test_translate_compiled_dir_refused_without_an_fp32_compile(run_dir, input_file, tmp_path):
+    """--compiled-dir keeps the graphs of --compile in fp32: without --compile, or with --int8, it
+    is refused with a one-line error before anything is loaded or made."""
+    for extra in ([], ["--compile", "--int8"]):
+        refused(cli("translate.py", "--checkpoint", run_dir, "--input", input_file, "--compiled-dir",
+                    tmp_path / "graphs", *extra), "--compiled-dir")
+    assert not (tmp_path / "graphs").exists()
+
+
 def test_translate_nbest_from_stdin(run_dir, lines, single_rank_output):
     text = "".join(f"{line}\n" for line in lines)
     rows = [r.split("\t") for r in ok(cli("translate.py", "--checkpoint", run_dir, "--input", "-",

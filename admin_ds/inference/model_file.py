@@ -360,12 +360,14 @@ def load_any(path: str | os.PathLike, tag: Optional[str] = None, trust_unverifie
 
 def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device: str | torch.device = "cpu",
                       dtype: torch.dtype = torch.float32, fold: bool = False, packed: bool = True,
-                      trust_unverified: bool = False, precision: str = "fp32", compile_step: bool = False):
+                      trust_unverified: bool = False, precision: str = "fp32", compile_step: bool = False,
+                      compiled_dir: Optional[str | os.PathLike] = None):
     """``(model, subword model, ModelFile)`` ready to translate: in eval mode on ``device`` in
     ``dtype``; omega folded away first if ``fold`` (fold.py: the same translations from a vanilla
     Post-LN model); on a CPU in fp32 the weights packed for oneDNN unless ``packed=False``, or
     quantized to int8 with ``precision="int8"`` (CPU fp32 only; admin_ds/inference/packed.py);
-    ``compile_step`` (CPU, fp32 or int8): a decoder step compiled by torch.compile (inference/step.py)."""
+    ``compile_step`` (CPU, fp32 or int8): a decoder step compiled by torch.compile (inference/step.py);
+    ``compiled_dir`` (fp32): its graphs kept there and loaded by later processes (inference/packages.py)."""
     from admin_ds.inference.packed import optimize_for_decoding
     from admin_ds.model.fold import fold_omega
 
@@ -375,5 +377,5 @@ def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device
         model = fold_omega(model)  # in fp32, before any cast
     model = model.to(device=device, dtype=dtype).eval()
     if packed or precision != "fp32" or compile_step:
-        model = optimize_for_decoding(model, precision, compile_step)  # fp32: CPU only, elsewhere a no-op
+        model = optimize_for_decoding(model, precision, compile_step, compiled_dir)  # fp32: CPU only, elsewhere a no-op
     return model, subword, mf

@@ -410,7 +410,8 @@ def _computes_linear(make, atol: float, rows: int = 5) -> bool:
 PRECISIONS = ("fp32", "int8")
 
 
-def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compile_step: bool = False) -> EncoderDecoder:
+def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compile_step: bool = False,
+                          compiled_dir: Optional[str] = None) -> EncoderDecoder:
     """Rewrite ``model`` in place for decoding and return it (in eval mode).
 
     CPU and float32: every Linear becomes a PackedLinear (``precision="fp32"``; a decoder step's
@@ -423,6 +424,8 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compil
     step and encoder (step.compile_decoder_step). In fp32 every product stays a Linear layer (a
     step's Q, K and V in one), for which they generate their own kernels; in int8 every product is
     an Int8Linear, which they call as it is, and the operators between the products are compiled.
+    ``compiled_dir`` (fp32, with ``compile_step``; translate.py --compiled-dir): the compiled graphs
+    are kept there and loaded by later processes (packages.py).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown decoding precision {precision!r}; use one of {', '.join(PRECISIONS)}")
@@ -432,6 +435,9 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compil
     where = f"{param.device.type} {str(param.dtype).replace('torch.', '')}"
     if compile_step and not cpu_fp32:
         raise ValueError(f"a compiled decoder step decodes on the CPU from a float32 model, not {where}")
+    if compiled_dir is not None and (not compile_step or precision != "fp32"):
+        raise ValueError("compiled graphs are kept on disk for a compiled fp32 step only "
+                         "(inductor's own cache keeps the int8 graphs)")
     if precision == "int8":
         if not cpu_fp32:
             raise ValueError(f"int8 decoding runs on the CPU from a float32 model, not {where}")
@@ -446,7 +452,7 @@ def optimize_for_decoding(model: EncoderDecoder, precision: str = "fp32", compil
         make = PackedLinear
     if compile_step:  # the weights must not require gradients to be compiled in as constants
         _pack(model.requires_grad_(False), make, compile_step=True)
-        compile_decoder_step(model, product=make)
+        compile_decoder_step(model, product=make, compiled_dir=compiled_dir)
         return model
     return _pack(model, make)
 

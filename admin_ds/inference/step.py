@@ -37,10 +37,12 @@ This file imports torch and model.py only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import types
 import warnings
-from typing import Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,9 @@ from torch import nn
 from admin_ds.model.layers import DecoderLayer, IncrementalState, Unpadded
 from admin_ds.model.residual import OmegaResidual, PlainResidual, ScaledResidual
 from admin_ds.model.transformer import EncoderDecoder
+
+if TYPE_CHECKING:
+    from admin_ds.inference.packages import GraphPackages
 
 __all__ = ["CompiledDecoderStep", "DecoderStep", "compilation_seconds", "compile_decoder_step", "decoder_step"]
 
@@ -310,7 +315,10 @@ class CompiledDecoderStep(DecoderStep):
     every process: inductor's cache on disk keeps the generated C++ kernels and, in int8, the
     graphs, but no float32 graph, which holds oneDNN's packed weights (inductor cannot store those);
     a second process compiled a 256-wide model's float32 graphs in 0.6x the first one's time, its
-    int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). Sizes that vary (rows as
+    int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). With ``packages``
+    (packages.py, translate.py --compiled-dir) the float32 step's and encoder's graphs are instead
+    exported and compiled ahead of time into packages on disk, which later processes load in
+    seconds; calls no package covers run the graphs below. Sizes that vary (rows as
     sentences finish, cached and source positions, sentences) are symbolic from the first graph;
     torch.compile makes a size or count of 0 or 1 a constant. So the position count, a Python int,
     makes three graphs of a step (the first position, with nothing cached; the second; every later
@@ -380,6 +388,9 @@ class CompiledDecoderStep(DecoderStep):
     # prefix never spans a whole buffer (a view of all of it would be another graph).
     room = 2
 
+    # The graphs kept on disk as AOTInductor packages (packages.open_packages), or None.
+    packages: Optional["GraphPackages"] = None
+
     def encode(self, src_tokens: torch.Tensor, state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
         """The encoder and every decoder layer's encoder keys and values (into ``state``) as one
         compiled graph: padding skipped as ``model.encode`` skips it, with or without padding
@@ -389,8 +400,12 @@ class CompiledDecoderStep(DecoderStep):
         torch._dynamo.maybe_mark_dynamic(src_tokens, [0, 1])
         torch._dynamo.maybe_mark_dynamic(src_pad, [0, 1])
         torch._dynamo.maybe_mark_dynamic(index, 0)
-        compiled = self._compiled_encoder if index.size(0) <= self.few_tokens else self._compiled_encoder_many
-        enc, k, v = _frozen(compiled, src_tokens, src_pad, index)
+        packaged = None if self.packages is None else self.packages.encoder(src_tokens, src_pad, index)
+        if packaged is not None:
+            enc, k, v = packaged
+        else:
+            compiled = self._compiled_encoder if index.size(0) <= self.few_tokens else self._compiled_encoder_many
+            enc, k, v = _frozen(compiled, src_tokens, src_pad, index)
         state.set_encoder_stack(self.cross_keys, k, v)
         return enc, src_pad
 
@@ -456,6 +471,10 @@ class CompiledDecoderStep(DecoderStep):
         _symbolic(caches.encoder_keys, [1, 4])
         _symbolic(caches.encoder_values, [1, 3])
         _symbolic(caches.origins, [0, 1])
+        if self.packages is not None:
+            logits = self.packages.decoder(tokens, caches, mask)
+            if logits is not None:
+                return logits
         if tokens.size(0) <= self.few_rows:
             templates_first = tokens.size(0) <= self.template_rows
             return _frozen(self._compiled, tokens, *caches, mask, templates_first=templates_first)
@@ -519,23 +538,30 @@ def _argument_guards(entries: list) -> list[bool]:
 
 
 def _frozen(compiled: Callable, *args, templates_first: bool = False):
-    """``compiled(*args)`` with settings that torch.compile reads when it traces (so not from
-    ``options``) set while it runs, and put back after for any other compiled code in the process
-    (~10 us a call): inductor's freezing (the weights become constants only then), no duck sizing
-    (sizes that happen to be equal, 4 sentences and 4 heads, would be made one symbol, and another
-    graph compiled when they differ), and with ``templates_first`` the generated product kernels
-    chosen without a benchmark (``_templates_first``)."""
+    """``compiled(*args)`` with the settings of ``compile_settings`` while it runs (~10 us a call)."""
+    with compile_settings(templates_first):
+        return compiled(*args)
+
+
+@contextlib.contextmanager
+def compile_settings(templates_first: bool = False):
+    """Settings that torch.compile (and torch.export with AOTInductor, packages.py) read when they
+    trace and compile (so not from ``options``), set for the block and put back after for any other
+    compiled code in the process: inductor's freezing (the weights become constants only then), no
+    duck sizing (sizes that happen to be equal, 4 sentences and 4 heads, would be made one symbol,
+    and another graph compiled when they differ), and with ``templates_first`` the generated product
+    kernels chosen without a benchmark (``_templates_first``)."""
     global _TEMPLATES_FIRST
     inductor, shapes = torch._inductor.config, torch.fx.experimental._config
     before = inductor.freezing, shapes.use_duck_shape, _TEMPLATES_FIRST
     inductor.freezing, shapes.use_duck_shape, _TEMPLATES_FIRST = True, False, templates_first
     try:
-        return compiled(*args)
+        yield
     finally:
         inductor.freezing, shapes.use_duck_shape, _TEMPLATES_FIRST = before
 
 
-_TEMPLATES_FIRST = False  # set by _frozen while a graph that takes them may compile
+_TEMPLATES_FIRST = False  # set by compile_settings while a graph that takes them may compile
 
 
 def _templates_first(choices: list) -> list:
@@ -559,31 +585,41 @@ def _register_templates_first() -> None:
         selector.add_preprocessing_fn(_templates_first)
 
 
-def compile_decoder_step(model: EncoderDecoder, product: Optional[ProductFactory] = None) -> CompiledDecoderStep:
+def compile_decoder_step(model: EncoderDecoder, product: Optional[ProductFactory] = None,
+                         compiled_dir: Optional[str] = None) -> CompiledDecoderStep:
     """Give ``model`` a compiled decoder step, which ``decoder_step(model)`` returns from now on.
     ``product`` makes the stacked encoder keys' and values' product from the decoder's Linear layers
     (their weights, bias) where the model's other products are not Linear layers either (int8).
-    Raises ValueError for a model the flat step does not compute (see DecoderStep)."""
+    ``compiled_dir``: the step's graphs are kept there as AOTInductor packages (packages.py), which
+    later processes load instead of compiling. Raises ValueError for a model the flat step does not
+    compute (see DecoderStep), and for a ``compiled_dir`` that is not safe to load code from."""
     try:
         if "decode" in vars(model):
             raise _Unsupported("not the model's own decode")
         step = CompiledDecoderStep(model, product)
     except _Unsupported as e:
         raise ValueError(f"a compiled decoder step cannot run this model: {e}") from None
+    if compiled_dir is not None:
+        from admin_ds.inference.packages import open_packages
+
+        open_packages(step, compiled_dir)
     model.compiled_decoder_step = step
     return step
 
 
 def compilation_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far, tracing to generated code (dynamo's
-    ``_compile.compile_inner``, as ``torch._dynamo.utils.compile_times`` reports it); 0.0 where this
-    torch keeps no such record. A compiled step's start-up cost is paid again in every process:
-    inductor keeps no graph on disk that holds oneDNN's packed weights (BENCHMARKS.md)."""
+    """Seconds this process has spent compiling so far: in torch.compile, tracing to generated code
+    (dynamo's ``_compile.compile_inner``, as ``torch._dynamo.utils.compile_times`` reports it; 0.0
+    where this torch keeps no such record), and building graphs kept on disk (packages.py). Without
+    those, a compiled step's start-up cost is paid again in every process: inductor keeps no graph
+    on disk that holds oneDNN's packed weights (BENCHMARKS.md)."""
+    packages = sys.modules.get("admin_ds.inference.packages")
+    built = packages.build_seconds() if packages is not None else 0.0
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:
-        return 0.0
-    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+        return built
+    return built + float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
 
 
 def decoder_step(model: nn.Module) -> Step:

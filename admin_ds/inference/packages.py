@@ -1,0 +1,279 @@
+"""A compiled decoder step's graphs kept on disk, loaded by later processes without compiling
+(translate.py --compiled-dir).
+
+torch.compile's float32 graphs of a ``CompiledDecoderStep`` hold oneDNN's packed weights, which
+inductor's cache on disk does not keep: every process compiled them again, for minutes
+(BENCHMARKS.md, "What --compile costs at the start of a process"). Here each graph is exported
+(``torch.export``) for one kind of call, its sizes symbolic, and compiled ahead of time by
+AOTInductor into a package (a shared library with the packed weights in it) written once into a
+directory; a later process loads it in a fraction of a second. Calls the packages do not cover (an
+int8 model, a beam search's choices, a size outside a kind's ranges) run torch.compile's graphs as
+before.
+
+Kinds, each a package of its own, built the first time a call needs it:
+
+- a decoder step: few rows (``CompiledDecoderStep.few_rows``; generated product kernels) or many
+  (ATen's products), the first position (nothing cached) or a later one, the rows per sentence
+  (beams, 1 for greedy and sampling), and whether the caches are kept in place (beam search);
+- the encoder with every decoder layer's encoder keys and values: few real source tokens
+  (``few_tokens``) or many.
+
+A package is named by a digest of what its code depends on: the model's configuration and every
+weight, the source of the step and the model's layers, the compile options, torch's version and
+the CPU's instruction set (``torch.backends.cpu.get_cpu_capability``). A package is a shared
+library that the process runs, so the directory must be the user's own and not writable by
+others (checked when it is opened, as for any directory of executables); a package is written
+under a temporary name and renamed into place, so processes that build the same kind at once
+(back-translation's ranks on one machine) each leave a whole file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from admin_ds.model import layers, residual, transformer
+from admin_ds.inference import step as step_module
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphPackages", "build_seconds", "open_packages"]
+
+_BUILD_SECONDS = [0.0]  # every GraphPackages' builds in this process
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent building packages (step.compilation_seconds counts them)."""
+    return _BUILD_SECONDS[0]
+
+
+class _Exported(nn.Module):
+    """What torch.export traces: ``fn`` over the model's (and the stacked encoder product's)
+    weights, which become the package's constants."""
+
+    def __init__(self, model: nn.Module, encoder_kv: nn.Module, fn: Callable) -> None:
+        super().__init__()
+        self.model, self.encoder_kv, self.fn = model, encoder_kv, fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+class GraphPackages:
+    """The AOTInductor packages of one ``CompiledDecoderStep`` in ``directory``: ``decoder`` and
+    ``encoder`` run a call through its kind's package (loaded, or built and written first), or
+    return None where no package covers it."""
+
+    def __init__(self, step: "step_module.CompiledDecoderStep", directory: Path) -> None:
+        self.step, self.directory = step, directory
+        self.key = _digest(step)
+        self._loaded: dict[str, Optional[Callable]] = {}  # kind -> package, or None: not packaged
+        self._filled = torch.empty(0, 0)  # a size-only argument: (positions filled, 0)
+        self.built: list[str] = []  # kinds this process built (the others it loaded)
+        self.build_seconds = 0.0
+        self.load_seconds = 0.0
+
+    @property
+    def loaded(self) -> list[str]:
+        """The kinds this process runs from packages, built or loaded."""
+        return [kind for kind, package in self._loaded.items() if package is not None]
+
+    def path(self, kind: str) -> Path:
+        return self.directory / f"{self.key[:32]}-{kind}.pt2"
+
+    def decoder(self, tokens: torch.Tensor, caches, mask: torch.Tensor) -> Optional[torch.Tensor]:
+        """The step's logits from its kind's package, or None."""
+        step = self.step
+        rows, sentences = tokens.size(0), caches.encoder_keys.size(1)
+        per, left = divmod(rows, sentences)
+        in_place = caches.origins is not None
+        if left or mask is None or mask.size(2) < 2 or not all(t.is_contiguous() for t in (*caches.keys, *caches.values)):
+            return None
+        few, first = rows <= step.few_rows, caches.length == 0
+        # One buffer row holds every position (one sentence, one hypothesis): the step attends
+        # without gathering (CompiledDecoderStep._attend), a graph of its own with one row.
+        single = in_place and caches.keys[0].size(0) == 1
+        kind = (f"step-{'few' if few else 'many'}-{'first' if first else 'later'}-per{per}"
+                f"{'-in-place' if in_place else ''}{'-one-row' if single else ''}")
+        package = self._package(
+            kind, lambda: self._export_decoder(tokens, caches, mask, few, first, per, in_place, single),
+            templates_first=few, max_autotune=few)
+        if package is None:
+            return None
+        if self._filled.size(0) < caches.length:
+            self._filled = torch.empty(max(2 * self._filled.size(0), caches.length), 0)
+        filled = self._filled.narrow(0, 0, caches.length)
+        # A package reads its tensors with the strides of the example it was exported from (unlike
+        # torch.compile's graphs, whose guards check them): contiguous. The mask of one sentence is
+        # an expanded view, copied here; the caches, which the step writes into, are contiguous.
+        return package(tokens, caches.keys, caches.values, caches.encoder_keys.contiguous(),
+                       caches.encoder_values.contiguous(), filled, _contiguous(caches.origins), mask.contiguous())
+
+    def encoder(self, src_tokens: torch.Tensor, src_pad: torch.Tensor, index: torch.Tensor):
+        """(enc, encoder keys, encoder values) from the encoder's package, or None."""
+        if src_tokens.size(1) < 2:
+            return None
+        few = index.size(0) <= self.step.few_tokens
+        kind = f"encoder-{'few' if few else 'many'}"
+        package = self._package(kind, lambda: self._export_encoder(src_tokens, src_pad, index, few),
+                                templates_first=False, max_autotune=few)
+        return None if package is None else package(src_tokens.contiguous(), src_pad.contiguous(), index.contiguous())
+
+    def _package(self, kind: str, export: Callable, templates_first: bool, max_autotune: bool) -> Optional[Callable]:
+        if kind in self._loaded:
+            return self._loaded[kind]
+        path, package = self.path(kind), None
+        if path.is_file():
+            package = self._load(path)
+        if package is None:
+            package = self._build(kind, path, export, templates_first, max_autotune)
+        self._loaded[kind] = package
+        return package
+
+    def _load(self, path: Path) -> Optional[Callable]:
+        start = time.perf_counter()
+        try:
+            package = torch._inductor.aoti_load_package(str(path))
+        except Exception as e:  # a package from an interrupted or other build: built again
+            log.warning("compiled graph %s could not be loaded (%s); building it again", path, e)
+            return None
+        self.load_seconds += time.perf_counter() - start
+        return package
+
+    def _build(self, kind: str, path: Path, export: Callable, templates_first: bool,
+               max_autotune: bool) -> Optional[Callable]:
+        import torch._inductor
+
+        log.info("compiling the %s graph into %s (once for this model on this machine)", kind, path)
+        start = time.perf_counter()
+        options = dict(step_module.COMPILE_OPTIONS)
+        options["max_autotune"] = options["max_autotune"] and max_autotune
+        options.pop("freezing")  # set by compile_settings
+        temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # AOTInductor wants .pt2
+        try:
+            with torch.no_grad(), step_module.compile_settings(templates_first):
+                program = export()
+                torch._inductor.aoti_compile_and_package(program, package_path=str(temporary),
+                                                         inductor_configs=options)
+            os.replace(temporary, path)
+        except Exception as e:  # torch.export or AOTInductor cannot take this graph: torch.compile's run it
+            log.warning("the %s graph cannot be kept on disk (%s: %s); it is compiled in this process",
+                        kind, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            log.debug("%s", e)
+            temporary.unlink(missing_ok=True)
+            return None
+        seconds = time.perf_counter() - start
+        self.build_seconds += seconds
+        _BUILD_SECONDS[0] += seconds
+        self.built.append(kind)
+        return self._load(path)
+
+    # torch.export traces an example of each kind, made here with sizes of 2 and more: a size of 1
+    # in the example would become a constant of the package (as torch.compile makes it one). Tokens:
+    # any but padding.
+    def _export_decoder(self, tokens, caches, mask, few: bool, first: bool, per: int, in_place: bool,
+                        single: bool):
+        from torch.export import Dim
+
+        step, most = self.step, self.step.model.cfg.max_positions
+        few_sentences = step.few_rows // per
+        b = 1 if single else 2 if few else few_sentences + 1
+        n = 0 if first else 2
+        # Caches kept in place have a row for every hypothesis the batch began with; others, one a row.
+        rows, buffer_rows, positions, source = per * b, per * b + (in_place and not single), n + step.room + 1, 5
+        keys, encoder_keys = caches.keys[0], caches.encoder_keys
+        layers, _, heads, head_dim, _ = encoder_keys.shape  # (L, b, H, Dh, S)
+        cache = keys.new_zeros(buffer_rows, heads, positions, head_dim)
+        example = (tokens.new_full((rows,), step.model.pad_idx + 1), [cache.clone() for _ in caches.keys],
+                   [cache.clone() for _ in caches.values], encoder_keys.new_zeros(layers, b, heads, head_dim, source),
+                   encoder_keys.new_zeros(layers, b, heads, source, head_dim), torch.empty(n, 0),
+                   caches.origins.new_zeros(rows, positions) if in_place else None,
+                   mask.new_zeros(heads * b, 1, source))
+
+        sentences_dim = (Dim.STATIC if single else Dim("sentences", min=1, max=few_sentences) if few
+                         else Dim("sentences", min=few_sentences + 1))
+        rows_dim = sentences_dim if per == 1 or single else per * sentences_dim
+        buffers_dim = (Dim.STATIC if single else rows_dim if not in_place
+                       else Dim("buffer_rows", min=max(2, per * (1 if few else few_sentences + 1))))
+        buffers = {0: buffers_dim, 2: Dim("positions", min=step.room + (0 if first else 1))}
+        source_dim = Dim("source", min=2, max=most)
+        dynamic = ({0: rows_dim}, [buffers] * len(caches.keys), [buffers] * len(caches.values),
+                   {1: sentences_dim, 4: source_dim}, {1: sentences_dim, 3: source_dim},
+                   None if first else {0: Dim("filled", min=1, max=most - 1)},
+                   {0: rows_dim, 1: Dim("origin_positions", min=step.room + (0 if first else 1))} if in_place else None,
+                   {0: Dim.STATIC if single else heads * sentences_dim, 2: source_dim})
+
+        def decoder(tokens, keys, values, encoder_keys, encoder_values, filled, origins, mask):
+            return step._decoder_of(tokens, keys, values, encoder_keys, encoder_values, filled.size(0), origins, mask)
+
+        return torch.export.export(_Exported(step.model, step.encoder_kv, decoder), example,
+                                   dynamic_shapes={"args": dynamic}, strict=False)
+
+    def _export_encoder(self, src_tokens, src_pad, index, few: bool):
+        from torch.export import Dim
+
+        step = self.step
+        b, s = (2, 5) if few else (3, step.few_tokens)  # every position real: b * s tokens
+        example = (src_tokens.new_full((b, s), step.model.pad_idx + 1), src_pad.new_zeros(b, s), torch.arange(b * s))
+        sentences, length = Dim("sentences", min=1), Dim("source", min=2, max=step.model.cfg.max_positions)
+        tokens = Dim("tokens", min=1, max=step.few_tokens) if few else Dim("tokens", min=step.few_tokens + 1)
+        dynamic = ({0: sentences, 1: length}, {0: sentences, 1: length}, {0: tokens})
+        return torch.export.export(_Exported(step.model, step.encoder_kv, step._encoder), example,
+                                   dynamic_shapes={"args": dynamic}, strict=False)
+
+
+def open_packages(step: "step_module.CompiledDecoderStep", directory: str | os.PathLike) -> GraphPackages:
+    """The packages of ``step`` in ``directory`` (made, for this user alone, where missing). Raises
+    ValueError for a directory another user owns or others may write to: its packages would run in
+    this process."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = directory.stat()
+    except OSError as e:
+        raise ValueError(f"compiled graphs directory {directory}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"compiled graphs directory {directory}: not a directory")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise ValueError(f"compiled graphs directory {directory}: owned by another user (uid {info.st_uid}); "
+                         "its packages would run in this process")
+    if info.st_mode & 0o022:
+        raise ValueError(f"compiled graphs directory {directory}: writable by others (mode "
+                         f"{stat.S_IMODE(info.st_mode):o}); its packages would run in this process")
+    packages = GraphPackages(step, directory)
+    step.packages = packages
+    return packages
+
+
+def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def _digest(step: "step_module.CompiledDecoderStep") -> str:
+    """What a package's code depends on, as one sha256: the model's configuration and weights (the
+    decoder's and the stacked encoder product's), the source of the code traced, the compile
+    options, torch and the CPU's instruction set."""
+    h = hashlib.sha256()
+    sources = [inspect.getsource(m) for m in (step_module, layers, residual, transformer, sys.modules[__name__])]
+    header = {"config": repr(step.model.cfg), "torch": torch.__version__, "python": sys.version_info[:2],
+              "cpu": torch.backends.cpu.get_cpu_capability(), "options": repr(step_module.COMPILE_OPTIONS),
+              "sizes": [step.few_rows, step.few_tokens, step.room],
+              "sources": [hashlib.sha256(s.encode()).hexdigest() for s in sources]}
+    h.update(json.dumps(header, sort_keys=True, default=str).encode())
+    named = [*step.model.state_dict().items(), *(("encoder_kv." + k, v) for k, v in step.encoder_kv.state_dict().items())]
+    for name, t in named:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
