@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data/wmt14/en-de"
@@ -96,6 +97,9 @@ def parse_args(argv=None):
                         "the default packs a step's products for MKL on Intel CPUs)")
     p.add_argument("--compile", action="store_true",
                    help="also ours with a compiled decoder step (translate.py --compile; with --int8 in int8)")
+    p.add_argument("--compiled-dir", type=Path,
+                   help="also ours with the compiled step's graphs kept in this directory (translate.py --compile "
+                        "--compiled-dir; fp32): built in the warm-up when missing, else loaded")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
@@ -172,15 +176,19 @@ def build(args, tmp: Path):
     return mf, lines
 
 
-def models(mf, precision: str, plain: bool, onednn: bool, compiled: bool = False):
+def models(mf, precision: str, plain: bool, onednn: bool, compiled: bool = False, compiled_dir: Optional[Path] = None):
     """{name: model} decoding as translate.py does in ``precision`` (and the F.linear model, the
-    model with every product packed for oneDNN, and the model with a compiled decoder step)."""
+    model with every product packed for oneDNN, the model with a compiled decoder step, and the one
+    whose compiled graphs are kept in ``compiled_dir``)."""
     from admin_ds.inference.model_file import build_from_model_file
     from admin_ds.inference.packed import optimize_for_decoding
 
     out = {"admin_ds": optimize_for_decoding(build_from_model_file(mf)[0], precision)}
     if compiled:
         out["admin_ds_compiled"] = optimize_for_decoding(build_from_model_file(mf)[0], precision, compile_step=True)
+    if compiled_dir is not None and precision == "fp32":
+        out["admin_ds_packages"] = optimize_for_decoding(build_from_model_file(mf)[0], precision, compile_step=True,
+                                                         compiled_dir=compiled_dir)
     if plain and precision == "fp32":
         out["admin_ds_plain"] = build_from_model_file(mf)[0].eval()
     if onednn and precision == "fp32":
@@ -350,9 +358,10 @@ def rows_for(args, label: str, times: dict, outputs: dict, n: int) -> list[str]:
         agree = [f"{e} {sum(a[:cut] == b[:cut] for a, b in zip(ref, outputs[(e, beam)]))}/{n}"
                  for e in engines if e != "admin_ds"]
         ratio = f"**{ct2 / ours:.2f}x**"
-        if ("admin_ds_compiled", beam) in times:
-            ratio += (f"; compiled **{ct2 / min(times[('admin_ds_compiled', beam)]):.2f}x** (its warm-up "
-                      f"{WARM_UP[('admin_ds_compiled', beam)]:.0f} s)")
+        for engine, name in (("admin_ds_compiled", "compiled"), ("admin_ds_packages", "graphs on disk")):
+            if (engine, beam) in times:
+                ratio += (f"; {name} **{ct2 / min(times[(engine, beam)]):.2f}x** (its warm-up "
+                          f"{WARM_UP[(engine, beam)]:.0f} s)")
         rows.append(f"| {label} | {'greedy' if beam == 1 else f'beam {beam}'} | {ratio} | "
                     f"{'; '.join(cells)} | {'; '.join(agree)} | "
                     f"{' / '.join(f'{statistics.median(times[(e, beam)]):.3f}' for e in engines)} |")
@@ -377,14 +386,16 @@ def main(argv=None) -> int:
     malloc_tuned = tune_malloc_for_decoding()  # as translate.py: for every decoder in this process
     transformers.logging.set_verbosity_error()  # generate's notes on max_length vs max_new_tokens
     load_before = os.getloadavg()
-    rows, profile = [], None
+    rows, profile, packages = [], None, None
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:
         torch.set_num_threads(args.threads[0])
         mf, lines = build(args, Path(tmp))
         sentences = lines[:args.sentences or max(args.batches)]
         _, subword = build_from_model_file(mf)
         for precision in args.precisions:
-            ours = models(mf, precision, args.plain, args.onednn, args.compile)
+            ours = models(mf, precision, args.plain, args.onednn, args.compile, args.compiled_dir)
+            if "admin_ds_packages" in ours:
+                packages = ours["admin_ds_packages"].compiled_decoder_step.packages
             cfg = ours["admin_ds"].cfg
             for threads in args.threads:
                 torch.set_num_threads(threads)
@@ -398,6 +409,8 @@ def main(argv=None) -> int:
                     if args.profile and profile is None and precision == "fp32":
                         profile = (n, threads, profile_search(runs[("admin_ds", args.beam)]))
     load_after = os.getloadavg()
+    built = "" if packages is None else (f"{len(packages.built)} of {len(packages.loaded)} built in this run, "
+                                         f"{packages.build_seconds:.0f} s")
     from admin_ds.inference.packed import _step_backend
 
     step_backend = {"mkl": "MKL's packed GEMM", "onednn": "oneDNN"}[_step_backend()]
@@ -428,6 +441,9 @@ def main(argv=None) -> int:
         f"{step_backend}; int8: --int8"
         + ("; compiled: translate.py --compile, a decoder step compiled by torch.compile, its compilation in "
            "the warm-up call, not in the times" if args.compile else "")
+        + ("; graphs on disk: translate.py --compile --compiled-dir, the compiled step's graphs as AOTInductor "
+           f"packages in {args.compiled_dir}, built in the warm-up call if missing ({built}), else loaded"
+           if args.compiled_dir else "")
         + "). glibc malloc's thresholds "
         + ("set for decoding as translate.py sets them (admin_ds/inference/allocator.py), for every decoder in "
            "the process." if malloc_tuned else "left as they are."),

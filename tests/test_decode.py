@@ -17,6 +17,7 @@ import random
 import shutil
 import stat
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -1008,8 +1009,9 @@ def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, m
     """translate.py --compile --compiled-dir: the step's and the encoder's graphs exported and
     compiled ahead of time into packages on disk (packages.py). Greedy and beam search over two
     sentences, and beam search over one (greedy's caches one a row, beam search's kept in place,
-    one buffer row at one sentence's first step) give the flat step's tokens and scores, every step and encoder call running from a
-    package, none through torch.compile's graphs of them; a second model, as a later process makes
+    one buffer row at one sentence's first step) give the flat step's tokens and scores, every step
+    and encoder call and beam search's choices at one sentence running from a package, none through
+    torch.compile's graphs; a package refuses inputs of other sizes than it was compiled for; a second model, as a later process makes
     it, loads every package and builds none, with the same results; a package that does not load
     (a truncated file) is built again; other weights are other packages. Products are ATen's, not
     autotuned, as in the test above (minutes less here)."""
@@ -1049,22 +1051,42 @@ def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, m
         assert [[h.tokens for h in n] for n in got[1]] == [[h.tokens for h in n] for n in want[1]]
         assert [h.score for n in got[1] for h in n] == pytest.approx([h.score for n in want[1] for h in n], abs=1e-5)
 
+    calls = {}  # kind -> the arguments of its first call
+    run = GraphPackages._run
+
+    def recorded(self, kind, package, *args):
+        calls.setdefault(kind, args)
+        return run(self, kind, package, *args)
+
+    monkeypatch.setattr(GraphPackages, "_run", recorded)
     got, packages = searched(tmp_path / "graphs")
     assert_same(got)
-    assert compiled_graphs == []
+    assert compiled_graphs == [] and packages.step._searches == {}
     kinds = {"encoder-few", "step-few-first-per1", "step-few-later-per1",
              "step-few-first-per1-in-place", "step-few-later-per4-in-place", "step-few-first-per1-in-place-one-row"}
-    assert set(packages.built) == set(packages.loaded) == kinds
+    searches = {k for k in packages.built if k.startswith("search-beam_choices-")}
+    assert len(searches) >= 2  # one sentence's first step (one row) and its later ones
+    assert set(packages.built) == set(packages.loaded) == kinds | searches
     assert stat.S_IMODE((tmp_path / "graphs").stat().st_mode) == 0o700
+
+    # A package reads its inputs as the sizes it was compiled for say: one that does not match
+    # (the one-row step's mask, whose rows are fixed at the heads of one sentence, with two
+    # sentences' rows) is refused before anything is computed, and the kind falls back.
+    one_row = "step-few-first-per1-in-place-one-row"
+    args = list(calls[one_row])
+    assert run(packages, one_row, packages._loaded[one_row], *args) is not None
+    args[-1] = torch.cat([args[-1], args[-1]])
+    assert run(packages, one_row, packages._loaded[one_row], *args) is None and one_row not in packages.loaded
 
     got, again = searched(tmp_path / "graphs")
     assert_same(got)
-    assert compiled_graphs == [] and again.built == [] and set(again.loaded) == kinds and again.key == packages.key
+    assert compiled_graphs == [] and again.step._searches == {}
+    assert again.built == [] and set(again.loaded) == kinds | searches and again.key == packages.key
 
     again.path("encoder-few").write_bytes(again.path("encoder-few").read_bytes()[:1000])
     got, rebuilt = searched(tmp_path / "graphs")
     assert_same(got)
-    assert rebuilt.built == ["encoder-few"] and set(rebuilt.loaded) == kinds
+    assert rebuilt.built == ["encoder-few"] and set(rebuilt.loaded) == kinds | searches
 
     other = copy.deepcopy(model)
     with torch.no_grad():
@@ -1089,6 +1111,70 @@ def test_compiled_graphs_directory_must_be_the_users_own(tmp_path):
         optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=tmp_path / "file")
     with pytest.raises(ValueError, match="compiled fp32 step only"):
         optimize_for_decoding(copy.deepcopy(model), "int8", compile_step=True, compiled_dir=tmp_path / "graphs")
+
+
+_BUILD_WHEN_TOLD = """
+import json, sys, time
+from pathlib import Path
+import torch
+from admin_ds.inference import step as step_module
+from admin_ds.inference.decode import greedy
+from admin_ds.inference.packed import optimize_for_decoding
+from admin_ds.model import build_model
+from admin_ds.presets import get_preset
+step_module.COMPILE_OPTIONS["max_autotune"] = False
+directory, ready, go = map(Path, sys.argv[1:])
+torch.manual_seed(0)
+model = build_model(get_preset("debug-tiny", vocab_size=1000, dropout_p=0.0, attention_dropout_p=0.0,
+                               activation_dropout_p=0.0)).eval()
+model = optimize_for_decoding(model, "fp32", compile_step=True, compiled_dir=directory)
+src = torch.tensor([[5, 6, 7, 8, model.cfg.eos_idx], [9, 10, model.cfg.eos_idx, model.cfg.pad_idx, model.cfg.pad_idx]])
+ready.touch()
+deadline = time.monotonic() + 900
+while not go.exists():
+    assert time.monotonic() < deadline, "never told to start"
+    time.sleep(0.05)
+out = greedy(model, src, max_len_a=1.0, max_len_b=3)
+packages = model.compiled_decoder_step.packages
+print("RESULT", json.dumps({"out": out, "built": packages.built, "loaded": packages.loaded}))
+"""
+
+
+@needs_cpp_compiler
+def test_processes_that_need_a_missing_compiled_graph_at_once_build_it_once(tmp_path):
+    """Back-translation's ranks on one machine start together with an empty --compiled-dir: two
+    processes, released at the same moment (each has built its model and waits for a file), decode
+    the same batch. Each package must be built by one of them only, the other loading it, and
+    both must output the same tokens. (Without the lock each found every package missing and built
+    all of them.)"""
+    import json
+    import subprocess
+    import sys
+
+    repo, go = Path(__file__).resolve().parents[1], tmp_path / "go"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_WHEN_TOLD, str(tmp_path / "graphs"), str(r), str(go)],
+                              cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in ready]
+    try:
+        deadline = time.monotonic() + 600
+        while not all(r.exists() for r in ready):
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+            assert time.monotonic() < deadline, "the processes did not get ready"
+            time.sleep(0.1)
+        go.touch()
+        done = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            p.kill() if p.poll() is None else None
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in done]
+    first, second = (json.loads(out.split("RESULT ", 1)[1]) for out, _ in done)
+    assert first["out"] == second["out"]
+    built = first["built"] + second["built"]
+    kinds = {"encoder-few", "step-few-first-per1", "step-few-later-per1"}
+    assert sorted(built) == sorted(kinds), built  # each once, by either process
+    assert set(first["loaded"]) == set(second["loaded"]) == kinds
 
 # ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------
 

@@ -7,8 +7,10 @@ inductor's cache on disk does not keep: every process compiled them again, for m
 (``torch.export``) for one kind of call, its sizes symbolic, and compiled ahead of time by
 AOTInductor into a package (a shared library with the packed weights in it) written once into a
 directory; a later process loads it in a fraction of a second. Calls the packages do not cover (an
-int8 model, a beam search's choices, a size outside a kind's ranges) run torch.compile's graphs as
-before.
+int8 model, a size outside a kind's ranges, a graph export cannot take) run torch.compile's graphs
+as before. Every package checks its inputs' dtypes and sizes against what it was compiled for
+before it computes (AOTInductor's runtime checks, switched on here), so a call it does not fit
+falls back instead of reading memory wrongly.
 
 Kinds, each a package of its own, built the first time a call needs it:
 
@@ -16,19 +18,23 @@ Kinds, each a package of its own, built the first time a call needs it:
   (ATen's products), the first position (nothing cached) or a later one, the rows per sentence
   (beams, 1 for greedy and sampling), and whether the caches are kept in place (beam search);
 - the encoder with every decoder layer's encoder keys and values: few real source tokens
-  (``few_tokens``) or many.
+  (``few_tokens``) or many;
+- a search's tensor code between two steps (beam search's choices where one sentence is left):
+  one kind for each set of its constant arguments (beams, flags) and sizes of 0 or 1.
 
 A package is named by a digest of what its code depends on: the model's configuration and every
-weight, the source of the step and the model's layers, the compile options, torch's version and
-the CPU's instruction set (``torch.backends.cpu.get_cpu_capability``). A package is a shared
+weight, the source of the step and the model's layers (and of a search's code), the compile
+options, torch's version and the CPU's instruction set (``torch.backends.cpu.get_cpu_capability``). A package is a shared
 library that the process runs, so the directory must be the user's own and not writable by
-others (checked when it is opened, as for any directory of executables); a package is written
-under a temporary name and renamed into place, so processes that build the same kind at once
-(back-translation's ranks on one machine) each leave a whole file.
+others (checked when it is opened, as for any directory of executables). Processes that need a
+missing package at once (back-translation's ranks on one machine) take turns on a lock beside it:
+one builds it, the others wait and load it. A package is written under a temporary name and
+renamed into place, so no process loads a half-written file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -38,7 +44,7 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -59,12 +65,12 @@ def build_seconds() -> float:
 
 
 class _Exported(nn.Module):
-    """What torch.export traces: ``fn`` over the model's (and the stacked encoder product's)
-    weights, which become the package's constants."""
+    """What torch.export traces: ``fn`` over the weights of ``modules`` (the model and the stacked
+    encoder product), which become the package's constants."""
 
-    def __init__(self, model: nn.Module, encoder_kv: nn.Module, fn: Callable) -> None:
+    def __init__(self, fn: Callable, *modules: nn.Module) -> None:
         super().__init__()
-        self.model, self.encoder_kv, self.fn = model, encoder_kv, fn
+        self.fn, self.modules_used = fn, nn.ModuleList(modules)
 
     def forward(self, *args):
         return self.fn(*args)
@@ -80,6 +86,7 @@ class GraphPackages:
         self.key = _digest(step)
         self._loaded: dict[str, Optional[Callable]] = {}  # kind -> package, or None: not packaged
         self._filled = torch.empty(0, 0)  # a size-only argument: (positions filled, 0)
+        self._search_kinds: dict[tuple, str] = {}  # (fn, its arguments' pattern) -> kind
         self.built: list[str] = []  # kinds this process built (the others it loaded)
         self.build_seconds = 0.0
         self.load_seconds = 0.0
@@ -117,8 +124,8 @@ class GraphPackages:
         # A package reads its tensors with the strides of the example it was exported from (unlike
         # torch.compile's graphs, whose guards check them): contiguous. The mask of one sentence is
         # an expanded view, copied here; the caches, which the step writes into, are contiguous.
-        return package(tokens, caches.keys, caches.values, caches.encoder_keys.contiguous(),
-                       caches.encoder_values.contiguous(), filled, _contiguous(caches.origins), mask.contiguous())
+        return self._run(kind, package, tokens, caches.keys, caches.values, caches.encoder_keys.contiguous(),
+                         caches.encoder_values.contiguous(), filled, _contiguous(caches.origins), mask.contiguous())
 
     def encoder(self, src_tokens: torch.Tensor, src_pad: torch.Tensor, index: torch.Tensor):
         """(enc, encoder keys, encoder values) from the encoder's package, or None."""
@@ -128,20 +135,61 @@ class GraphPackages:
         kind = f"encoder-{'few' if few else 'many'}"
         package = self._package(kind, lambda: self._export_encoder(src_tokens, src_pad, index, few),
                                 templates_first=False, max_autotune=few)
-        return None if package is None else package(src_tokens.contiguous(), src_pad.contiguous(), index.contiguous())
+        if package is None:
+            return None
+        return self._run(kind, package, src_tokens.contiguous(), src_pad.contiguous(), index.contiguous())
+
+    def search(self, fn: Callable, args: tuple) -> Optional[tuple]:
+        """``fn(*args)`` from a package, or None: a search's tensor code between two steps
+        (``step.compiled``; beam search's choices), which holds no weights. Its other arguments
+        (beams, special tokens, flags; None for an absent tensor) are constants of the package, and
+        so are its tensors' sizes of 0 and 1 (export makes them so); both are part of the kind.
+        The other sizes are symbolic wherever the code allows (``Dim.AUTO``)."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        pattern = tuple((a.dtype, tuple(min(n, 2) for n in a.shape)) if isinstance(a, torch.Tensor) else a
+                        for a in args)
+        kind = self._search_kinds.get((fn, pattern))
+        if kind is None:
+            if not all(isinstance(a, (torch.Tensor, bool, int, float, type(None))) for a in args):
+                return None
+            code = inspect.getsource(sys.modules[fn.__module__])  # the digest covers the step's code, not fn's
+            h = hashlib.sha256(repr((fn.__qualname__, pattern, code)).encode()).hexdigest()
+            kind = self._search_kinds[(fn, pattern)] = f"search-{fn.__name__.strip('_')}-{h[:16]}"
+        package = self._package(kind, lambda: self._export_search(fn, args), templates_first=False, max_autotune=False)
+        return None if package is None else self._run(kind, package, *(t.contiguous() for t in tensors))
+
+    def _run(self, kind: str, package: Callable, *args):
+        """``package(*args)``, or None where the package fails: it checks every input's dtype,
+        sizes and fixed strides against what it was compiled for (AOTI_RUNTIME_CHECK_INPUTS, set
+        when the first package loads) before it computes anything, and prints what it refused. The
+        kind then runs through torch.compile's graphs in this process."""
+        try:
+            return package(*args)
+        except RuntimeError as e:
+            log.warning("the compiled %s graph on disk failed (%s; its reason is printed above); it is compiled "
+                        "in this process", kind, str(e).strip().splitlines()[0])
+            self._loaded[kind] = None
+            return None
 
     def _package(self, kind: str, export: Callable, templates_first: bool, max_autotune: bool) -> Optional[Callable]:
         if kind in self._loaded:
             return self._loaded[kind]
         path, package = self.path(kind), None
-        if path.is_file():
+        if (seen := _file_identity(path)) is not None:
             package = self._load(path)
         if package is None:
-            package = self._build(kind, path, export, templates_first, max_autotune)
+            with _building(path, kind):  # another process may have built it while this one waited
+                if _file_identity(path) not in (None, seen):
+                    package = self._load(path)
+                if package is None:
+                    package = self._build(kind, path, export, templates_first, max_autotune)
         self._loaded[kind] = package
         return package
 
     def _load(self, path: Path) -> Optional[Callable]:
+        # Read once by each package's library, at its first call: a package then refuses inputs
+        # of sizes or dtypes it was not compiled for instead of reading them wrongly (~1 us a tensor).
+        os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
         start = time.perf_counter()
         try:
             package = torch._inductor.aoti_load_package(str(path))
@@ -160,6 +208,11 @@ class GraphPackages:
         options = dict(step_module.COMPILE_OPTIONS)
         options["max_autotune"] = options["max_autotune"] and max_autotune
         options.pop("freezing")  # set by compile_settings
+        # The input checks (_run) hold a symbolic size to the range the graph was traced for, whose
+        # lower bound is 2 whatever Dim's min (export traces sizes of 1 as if they were larger). The
+        # step's and encoder's graphs are exported for sizes from 1 on (one sentence, one position
+        # filled), which the tests check against the flat step; a search's kinds keep sizes of 1 apart.
+        options["aot_inductor.check_lowerbound"] = False
         temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp.pt2")  # AOTInductor wants .pt2
         try:
             with torch.no_grad(), step_module.compile_settings(templates_first):
@@ -217,7 +270,7 @@ class GraphPackages:
         def decoder(tokens, keys, values, encoder_keys, encoder_values, filled, origins, mask):
             return step._decoder_of(tokens, keys, values, encoder_keys, encoder_values, filled.size(0), origins, mask)
 
-        return torch.export.export(_Exported(step.model, step.encoder_kv, decoder), example,
+        return torch.export.export(_Exported(decoder, step.model, step.encoder_kv), example,
                                    dynamic_shapes={"args": dynamic}, strict=False)
 
     def _export_encoder(self, src_tokens, src_pad, index, few: bool):
@@ -229,8 +282,20 @@ class GraphPackages:
         sentences, length = Dim("sentences", min=1), Dim("source", min=2, max=step.model.cfg.max_positions)
         tokens = Dim("tokens", min=1, max=step.few_tokens) if few else Dim("tokens", min=step.few_tokens + 1)
         dynamic = ({0: sentences, 1: length}, {0: sentences, 1: length}, {0: tokens})
-        return torch.export.export(_Exported(step.model, step.encoder_kv, step._encoder), example,
+        return torch.export.export(_Exported(step._encoder, step.model, step.encoder_kv), example,
                                    dynamic_shapes={"args": dynamic}, strict=False)
+
+    def _export_search(self, fn: Callable, args: tuple):
+        from torch.export import Dim
+
+        tensors = tuple(a.contiguous() for a in args if isinstance(a, torch.Tensor))
+
+        def call(*given):
+            given = iter(given)
+            return fn(*(next(given) if isinstance(a, torch.Tensor) else a for a in args))
+
+        dynamic = tuple({d: Dim.AUTO for d, n in enumerate(t.shape) if n >= 2} for t in tensors)
+        return torch.export.export(_Exported(call), tensors, dynamic_shapes={"args": dynamic}, strict=False)
 
 
 def open_packages(step: "step_module.CompiledDecoderStep", directory: str | os.PathLike) -> GraphPackages:
@@ -254,6 +319,37 @@ def open_packages(step: "step_module.CompiledDecoderStep", directory: str | os.P
     packages = GraphPackages(step, directory)
     step.packages = packages
     return packages
+
+
+@contextlib.contextmanager
+def _building(path: Path, kind: str) -> Iterator[None]:
+    """Held while a package is looked for again and built: ranks that start together on one machine
+    (back-translation) build each package once, the others wait for it and load it. An exclusive
+    flock on a file beside it, released by the kernel if the builder dies."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): each process builds what it finds missing
+        yield
+        return
+    fd = os.open(path.with_name(f".{path.stem}.lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish compiling the %s graph into %s", kind, path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _file_identity(path: Path) -> Optional[tuple]:
+    """Which file is at ``path`` (None: none), to tell a package renamed into place since."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_size
 
 
 def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -38,7 +38,6 @@ This file imports torch and model.py only.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import types
 import warnings
@@ -360,11 +359,17 @@ class CompiledDecoderStep(DecoderStep):
         """``fn``, a search's tensor code between two steps (``decode._beam_choices``), compiled for
         this step's searches: its operators fused into a few generated kernels, one call instead of
         dozens. Sizes that vary become symbolic after their first change (torch.compile's automatic
-        dynamic shapes), with duck sizing off as for the step's graphs (``_frozen``)."""
-        compiled = self._searches.get(fn)
-        if compiled is None:
-            compiled = self._searches[fn] = torch.compile(_own_code(fn), options=dict(COMPILE_OPTIONS))
-        return functools.partial(_frozen, compiled)
+        dynamic shapes), with duck sizing off as for the step's graphs (``_frozen``). With
+        ``packages``, from a package on disk where one covers the call (``GraphPackages.search``)."""
+        def run(*args):
+            if self.packages is not None and (out := self.packages.search(fn, args)) is not None:
+                return out
+            compiled = self._searches.get(fn)
+            if compiled is None:
+                compiled = self._searches[fn] = torch.compile(_own_code(fn), options=dict(COMPILE_OPTIONS))
+            return _frozen(compiled, *args)
+
+        return run
 
     # Up to how many rows a step runs in the graphs whose products are inductor's generated kernels
     # (chosen as ``template_rows`` says), and up to how many real source tokens the encoder runs in
