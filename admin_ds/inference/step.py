@@ -315,9 +315,9 @@ class CompiledDecoderStep(DecoderStep):
     graphs, but no float32 graph, which holds oneDNN's packed weights (inductor cannot store those);
     a second process compiled a 256-wide model's float32 graphs in 0.6x the first one's time, its
     int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). With ``packages``
-    (packages.py, translate.py --compiled-dir) the float32 step's and encoder's graphs are instead
-    exported and compiled ahead of time into packages on disk, which later processes load in
-    seconds; calls no package covers run the graphs below. Sizes that vary (rows as
+    (packages.py, translate.py --compiled-dir) the float32 step's, the encoder's and a search's
+    choices' graphs are instead exported and compiled ahead of time into packages on disk, which
+    later processes load in seconds; calls no package covers run the graphs below. Sizes that vary (rows as
     sentences finish, cached and source positions, sentences) are symbolic from the first graph;
     torch.compile makes a size or count of 0 or 1 a constant. So the position count, a Python int,
     makes three graphs of a step (the first position, with nothing cached; the second; every later
