@@ -24,12 +24,12 @@ Kinds, each a package of its own, built the first time a call needs it:
 
 A package is named by a digest of what its code depends on: the model's configuration and every
 weight, the source of the step and the model's layers (and of a search's code), the compile
-options, torch's version and the CPU's instruction set (``torch.backends.cpu.get_cpu_capability``). A package is a shared
-library that the process runs, so the directory must be the user's own and not writable by
-others (checked when it is opened, as for any directory of executables). Processes that need a
-missing package at once (back-translation's ranks on one machine) take turns on a lock beside it:
-one builds it, the others wait and load it. A package is written under a temporary name and
-renamed into place, so no process loads a half-written file.
+options, torch's version and the CPU's instruction set (``torch.backends.cpu.get_cpu_capability``).
+A package is a shared library that the process runs, so the directory must be the user's own and
+not writable by others (checked when it is opened, as for any directory of executables).
+Processes that need a missing package at once (back-translation's ranks on one machine) take turns
+on a lock beside it: one builds it, the others wait and load it. A package is written under a
+temporary name and renamed into place, so no process loads a half-written file.
 """
 
 from __future__ import annotations

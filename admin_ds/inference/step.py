@@ -317,11 +317,11 @@ class CompiledDecoderStep(DecoderStep):
     int8 graphs in 0.5x (``compilation_seconds``; bench/compile_warmup.py). With ``packages``
     (packages.py, translate.py --compiled-dir) the float32 step's, the encoder's and a search's
     choices' graphs are instead exported and compiled ahead of time into packages on disk, which
-    later processes load in seconds; calls no package covers run the graphs below. Sizes that vary (rows as
-    sentences finish, cached and source positions, sentences) are symbolic from the first graph;
-    torch.compile makes a size or count of 0 or 1 a constant. So the position count, a Python int,
-    makes three graphs of a step (the first position, with nothing cached; the second; every later
-    one), and one sentence and several make two of the encoder. Few rows and many (``few_rows``,
+    later processes load in seconds; calls no package covers run the graphs below. Sizes that vary
+    (rows as sentences finish, cached and source positions, sentences) are symbolic from the first
+    graph; torch.compile makes a size or count of 0 or 1 a constant. So the position count, a Python
+    int, makes three graphs of a step (the first position, with nothing cached; the second; every
+    later one), and one sentence and several make two of the encoder. Few rows and many (``few_rows``,
     ``few_tokens``) have graphs of their own, with generated products and with ATen's. A greedy and
     a beam search, one sentence or many, then make one to two dozen graphs, not one per shape.
     Measured against DecoderStep and CTranslate2: BENCHMARKS.md."""
