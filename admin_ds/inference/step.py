@@ -402,13 +402,13 @@ class CompiledDecoderStep(DecoderStep):
         alike (no padding: every position is real)."""
         src_pad = src_tokens.eq(self.model.pad_idx)
         index = (~src_pad).reshape(-1).nonzero().squeeze(1)
-        torch._dynamo.maybe_mark_dynamic(src_tokens, [0, 1])
-        torch._dynamo.maybe_mark_dynamic(src_pad, [0, 1])
-        torch._dynamo.maybe_mark_dynamic(index, 0)
         packaged = None if self.packages is None else self.packages.encoder(src_tokens, src_pad, index)
         if packaged is not None:
             enc, k, v = packaged
         else:
+            torch._dynamo.maybe_mark_dynamic(src_tokens, [0, 1])
+            torch._dynamo.maybe_mark_dynamic(src_pad, [0, 1])
+            torch._dynamo.maybe_mark_dynamic(index, 0)
             compiled = self._compiled_encoder if index.size(0) <= self.few_tokens else self._compiled_encoder_many
             enc, k, v = _frozen(compiled, src_tokens, src_pad, index)
         state.set_encoder_stack(self.cross_keys, k, v)
@@ -469,6 +469,10 @@ class CompiledDecoderStep(DecoderStep):
         # (R,) with unit stride: the searches pass a column of their (R, T) tokens, whose stride
         # would change at every step (a guard that fails, another graph).
         tokens = tokens.reshape(-1).clone(memory_format=torch.contiguous_format)
+        if self.packages is not None:  # a package's sizes are symbolic already
+            logits = self.packages.decoder(tokens, caches, mask)
+            if logits is not None:
+                return logits
         _symbolic(tokens, 0)
         _symbolic(mask, [0, 2])
         for t in (*caches.keys, *caches.values):
@@ -476,10 +480,6 @@ class CompiledDecoderStep(DecoderStep):
         _symbolic(caches.encoder_keys, [1, 4])
         _symbolic(caches.encoder_values, [1, 3])
         _symbolic(caches.origins, [0, 1])
-        if self.packages is not None:
-            logits = self.packages.decoder(tokens, caches, mask)
-            if logits is not None:
-                return logits
         if tokens.size(0) <= self.few_rows:
             templates_first = tokens.size(0) <= self.template_rows
             return _frozen(self._compiled, tokens, *caches, mask, templates_first=templates_first)
