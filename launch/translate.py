@@ -24,7 +24,7 @@ line says how much of the time went to compiling; with --int8, the same int8 pro
 operators between them compiled. --compiled-dir DIR (fp32) keeps the compiled graphs in DIR
 (admin_ds/inference/packages.py): built the first time a run needs them, loaded by every later run
 of that model on that machine in seconds, with nothing left to compile (a 256-wide model's test set
-of 1,000 sentences: 13.0 s against 15.6 s eagerly). On a CPU, glibc malloc keeps freed memory
+of 1,000 sentences: 13.0-13.8 s against 14.0-15.6 s eagerly). On a CPU, glibc malloc keeps freed memory
 for the next batch (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
