@@ -4,18 +4,18 @@
         --src data/multi30k_en_de/test.en --threads 2 --out bench/compile_warmup_results.md
 
 Each row is the real command (launch/translate.py) in a process of its own, one after another:
-eager, then compiled with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` a new directory),
-then compiled again with the cache that run left, the way a second job on the same machine starts
-(``--int8`` rows too with --int8), and in fp32 with the graphs kept on disk (``--compiled-dir``): built
-by the first such run, from an empty inductor cache, and loaded by the next ones. Eager and the
-second compiled run (and the second on-disk run) also translate the input
-repeated ``--repeat`` times: the two sizes give each its time per sentence and its fixed cost
-besides compiling (a straight line through the two, each run's compiling taken out), and the
-break-even is the input size from which the compiled process is done first: its compiling and
-extra fixed cost over what it saves a sentence. For each compiled run: the time spent compiling
-(``admin_ds.inference.step.compilation_seconds``: torch.compile's tracing to generated code, and
-the builds of graphs kept on disk), the graphs torch.compile compiled, and what inductor's
-graph cache on disk did for them (hits, misses, bypasses with the reason inductor logs).
+eager, then compiled in the process (``--compile --no-compiled-dir``) with an empty inductor cache
+(``TORCHINDUCTOR_CACHE_DIR`` a new directory), then compiled again with the cache that run left, the
+way a second job on the same machine starts (``--int8`` rows too with --int8), and in fp32 with the
+graphs kept on disk (``--compiled-dir``, a new directory): built by the first such run, from an
+empty inductor cache, and loaded by the next ones. Eager and the second compiled run (and the second
+on-disk run) also translate the input repeated ``--repeat`` times: the two sizes give each its time
+per sentence and its fixed cost besides compiling (a straight line through the two, each run's
+compiling taken out), and the break-even is the input size from which the compiled process is done
+first: its compiling and extra fixed cost over what it saves a sentence. For each compiled run: the
+time spent compiling (``admin_ds.inference.step.compilation_seconds``: torch.compile's tracing to
+generated code, and the builds of graphs kept on disk), the graphs torch.compile compiled, and what
+inductor's graph cache on disk did for them (hits, misses, bypasses with the reason inductor logs).
 """
 
 from __future__ import annotations
@@ -109,13 +109,13 @@ def main(argv=None) -> int:
         for precision in ["fp32"] + (["int8"] if args.int8 else []):
             flags = ["--int8"] if precision == "int8" else []
             cache = Path(tmp) / f"inductor_{precision}"  # empty: a cold start
-            compiled = [*flags, "--compile"]
+            compiled = [*flags, "--compile"] + (["--no-compiled-dir"] if precision == "fp32" else [])  # torch.compile's graphs
             plan = [("eager", flags, args.src), ("eager, repeated", flags, repeated),
                     ("compiled, empty cache", compiled, args.src),
                     ("compiled, its cache again", compiled, args.src),
                     ("compiled, its cache, repeated", compiled, repeated)]
             if precision == "fp32":  # graphs on disk (--compiled-dir), from an inductor cache of their own
-                on_disk = [*compiled, "--compiled-dir", str(Path(tmp) / "graphs")]
+                on_disk = ["--compile", "--compiled-dir", str(Path(tmp) / "graphs")]
                 plan += [("graphs on disk, empty cache: built", on_disk, args.src),
                          ("graphs on disk: loaded", on_disk, args.src),
                          ("graphs on disk: loaded, repeated", on_disk, repeated)]

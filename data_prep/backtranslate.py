@@ -34,7 +34,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from admin_ds import files
-from admin_ds.arguments import existing_path, float_in, input_file, int_in
+from admin_ds.arguments import (add_compile_arguments, existing_path, float_in, input_file, int_in,
+                                resolve_compile_arguments)
 from admin_ds.errors import UserError
 from admin_ds.files import atomic_output, sha256_file
 from data_prep import PrepError
@@ -75,12 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int_in(1), default=None,
                    help="torch threads per rank for decoding (default: the rank's share of the cores)")
     p.add_argument("--int8", action="store_true", help="CPU: decode with dynamic int8 linear layers")
-    p.add_argument("--compile", action="store_true",
-                   help="CPU: compile the decoder step with torch.compile (launch/translate.py --compile; "
-                        "with --int8 in int8)")
-    p.add_argument("--compiled-dir", type=Path, default=None, metavar="DIR",
-                   help="with --compile, fp32: keep the compiled graphs in DIR, built once and loaded by every "
-                        "later rank and run (launch/translate.py --compiled-dir)")
+    add_compile_arguments(p, "CPU: compile the decoder step (as launch/translate.py --compile; with --int8 in int8)")
     p.add_argument("--min-len", type=int_in(0), default=1)
     p.add_argument("--max-len", type=int_in(1), default=250)
     p.add_argument("--ratio", type=float_in(1), default=1.5)
@@ -90,8 +86,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.min_len > a.max_len:
         p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
-    if a.compiled_dir is not None and (not a.compile or a.int8):
-        p.error("--compiled-dir keeps the graphs of --compile in fp32: add --compile, drop --int8")
+    resolve_compile_arguments(p, a)
     return a
 
 

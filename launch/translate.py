@@ -15,17 +15,19 @@ Intel CPUs MKL's packed GEMM for a decoder step's products; faster matrix produc
 small row counts); --plain-linear decodes without that.
 --int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
 per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
-(BENCHMARKS.md: speed and the BLEU change). --compile (CPU) runs the encoder and each decoder
-step as graphs compiled by torch.compile (admin_ds/inference/step.py): fastest at a few sentences
-per batch, after one to three minutes of compilation at the start of every process (inductor's
-disk cache shortens a later process's to ~0.6x in fp32, ~0.5x in int8), so it pays for large
-inputs (from ~50,000 sentences of a 256-wide model on two cores: BENCHMARKS.md), and the summary
-line says how much of the time went to compiling; with --int8, the same int8 products with the
-operators between them compiled. --compiled-dir DIR (fp32) keeps the compiled graphs in DIR
-(admin_ds/inference/packages.py): built the first time a run needs them, loaded by every later run
-of that model on that machine in seconds, with nothing left to compile (a 256-wide model's test set
-of 1,000 sentences: 13.0-13.8 s against 14.0-15.6 s eagerly). On a CPU, glibc malloc keeps freed memory
-for the next batch (admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
+(BENCHMARKS.md: speed and the BLEU change). --compile (CPU) runs the encoder and each decoder step
+as compiled graphs (admin_ds/inference/step.py), fastest at a few sentences per batch. In fp32 they
+are compiled ahead of time and kept on disk (admin_ds/inference/packages.py) in --compiled-dir DIR,
+by default $ADMIN_DS_COMPILED_DIR, else $XDG_CACHE_HOME/admin_ds/compiled or
+~/.cache/admin_ds/compiled: built the first time a run needs them (minutes), loaded by every later
+run of that model on that machine in seconds, with nothing left to compile (a 256-wide model's test
+set of 1,000 sentences: 13.0-13.8 s against 14.0-15.6 s eagerly). --no-compiled-dir, and --int8
+--compile (the same int8 products with the operators between them compiled), compile with
+torch.compile in the process instead: one to three minutes at the start of every process (inductor's
+disk cache shortens a later process's to ~0.6x in fp32, ~0.5x in int8), which pays for large inputs
+(from ~50,000 sentences of a 256-wide model on two cores: BENCHMARKS.md). The summary line says how
+much of the time went to compiling. On a CPU, glibc malloc keeps freed memory for the next batch
+(admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -39,9 +41,9 @@ Sampling seeds rank r with --seed + r.
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from admin_ds.arguments import existing_path, float_in, input_file, int_in
+from admin_ds.arguments import (add_compile_arguments, existing_path, float_in, input_file, int_in,
+                                resolve_compile_arguments)
 
 
 def parse_args(argv=None):
@@ -70,13 +72,9 @@ def parse_args(argv=None):
                    help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference/packed.py)")
     p.add_argument("--int8", action="store_true",
                    help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
-    p.add_argument("--compile", action="store_true",
-                   help="CPU: compile the encoder and the decoder step with torch.compile (admin_ds/inference/step.py); "
-                        "needs a C++ compiler; compiles for minutes in every process first: for large inputs")
-    p.add_argument("--compiled-dir", type=Path, default=None, metavar="DIR",
-                   help="with --compile, fp32: keep the compiled graphs in DIR (AOTInductor packages, "
-                        "admin_ds/inference/packages.py), compiled once for this model and machine; "
-                        "later runs load them in about a second")
+    add_compile_arguments(p, "CPU: compile the encoder and the decoder step (admin_ds/inference/step.py); needs a C++ "
+                             "compiler; the first run compiles for minutes, later ones load the graphs kept on disk "
+                             "(fp32, --compiled-dir)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
@@ -88,11 +86,9 @@ def parse_args(argv=None):
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
     if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
         p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
-    if args.compiled_dir is not None and (not args.compile or args.int8):
-        p.error("--compiled-dir keeps the graphs of --compile in fp32: add --compile, drop --int8 "
-                "(inductor's own cache keeps the int8 graphs)")
     if args.compile and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
         p.error("--compile compiles a CPU decoder step from fp32 weights: drop --dtype, --plain-linear and --device cuda")
+    resolve_compile_arguments(p, args)
     return args
 
 
@@ -181,7 +177,9 @@ def main(argv=None) -> int:
                 compiled = f", compiled step ({compilation_seconds():.1f}s of it compiling"
                 packages = model.compiled_decoder_step.packages
                 if packages is not None:
-                    compiled += (f"; graphs on disk: {len(packages.built)} built in {packages.build_seconds:.1f}s, "
+                    built = (f"{len(packages.built)} built in {packages.build_seconds:.1f}s "
+                             f"({packages.built_bytes / 1e6:.0f} MB), " if packages.built else "")
+                    compiled += (f"; graphs on disk in {packages.directory}: {built}"
                                  f"{len(packages.loaded) - len(packages.built)} loaded in {packages.load_seconds:.1f}s")
                 compiled += ")"
             print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.2f}s on {world} rank(s), "

@@ -1088,6 +1088,20 @@ def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, m
     assert_same(got)
     assert rebuilt.built == ["encoder-few"] and set(rebuilt.loaded) == kinds | searches
 
+    # Steps of more rows than template_rows (lowered to 1 here) up to few_rows are kinds of their own,
+    # exported at few_rows rows (16 sentences at one row each, 4 at four) and valid down to
+    # template_rows + 1: greedy's steps and beam search's over two sentences run there.
+    # (Lowered after the packages are named, so that the other kinds load instead of building again.)
+    m = optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=tmp_path / "graphs")
+    m.compiled_decoder_step.template_rows = 1
+    assert greedy(m, src, **kw) == want[0]
+    beams = beam_search(m, src, beam=4, nbest=2, **kw)
+    assert [[h.tokens for h in n] for n in beams] == [[h.tokens for h in n] for n in want[1][:2]]
+    some = m.compiled_decoder_step.packages
+    assert compiled_graphs == [] and some.key == packages.key
+    assert set(some.built) == {"step-some-first-per1", "step-some-later-per1", "step-some-first-per1-in-place",
+                               "step-some-later-per4-in-place"}
+
     other = copy.deepcopy(model)
     with torch.no_grad():
         other.decoder_layers[0].ffn.fc1.weight[0, 0] += 1e-3

@@ -208,6 +208,40 @@ def test_translate_compiled_dir_refused_without_an_fp32_compile(run_dir, input_f
     assert not (tmp_path / "graphs").exists()
 
 
+def test_an_fp32_compile_keeps_its_graphs_in_the_user_cache_unless_told_otherwise(tmp_path, monkeypatch, capsys):
+    """translate.py and backtranslate.py --compile (fp32) keep the graphs in $ADMIN_DS_COMPILED_DIR,
+    else $XDG_CACHE_HOME/admin_ds/compiled, else ~/.cache/admin_ds/compiled; --compiled-dir picks
+    another directory, --no-compiled-dir none; int8 and eager runs keep none."""
+    from data_prep import backtranslate
+
+    model, text = tmp_path / "model.pt", tmp_path / "in.txt"
+    model.write_bytes(b"")
+    text.write_text("a\n")
+    parsers = {"translate.py": (launch_module("translate").parse_args, ["--checkpoint", model, "--input", text]),
+               "backtranslate.py": (backtranslate.parse_args, ["--model", model, "--mono", text, "--out",
+                                                               tmp_path / "out", "--bitext", tmp_path])}
+    for name, (parse, required) in parsers.items():
+        def compiled_dir(*extra):
+            return parse([str(a) for a in (*required, *extra)]).compiled_dir
+
+        monkeypatch.delenv("ADMIN_DS_COMPILED_DIR", raising=False)
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))
+        assert compiled_dir("--compile") == tmp_path / "home" / ".cache" / "admin_ds" / "compiled", name
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        assert compiled_dir("--compile") == tmp_path / "xdg" / "admin_ds" / "compiled", name
+        monkeypatch.setenv("ADMIN_DS_COMPILED_DIR", str(tmp_path / "graphs"))
+        assert compiled_dir("--compile") == tmp_path / "graphs", name
+        assert compiled_dir("--compile", "--compiled-dir", tmp_path / "mine") == tmp_path / "mine", name
+        for extra in ([], ["--compile", "--no-compiled-dir"], ["--compile", "--int8"]):
+            assert compiled_dir(*extra) is None, (name, extra)
+        with pytest.raises(SystemExit) as exit_:
+            compiled_dir("--compile", "--compiled-dir", tmp_path / "mine", "--no-compiled-dir")
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "--no-compiled-dir" in err.splitlines()[-1], (name, err)
+    assert not any(tmp_path.glob("**/compiled")) and not (tmp_path / "graphs").exists()  # parsing makes nothing
+
+
 def test_translate_nbest_from_stdin(run_dir, lines, single_rank_output):
     text = "".join(f"{line}\n" for line in lines)
     rows = [r.split("\t") for r in ok(cli("translate.py", "--checkpoint", run_dir, "--input", "-",

@@ -14,9 +14,11 @@ falls back instead of reading memory wrongly.
 
 Kinds, each a package of its own, built the first time a call needs it:
 
-- a decoder step: few rows (``CompiledDecoderStep.few_rows``; generated product kernels) or many
-  (ATen's products), the first position (nothing cached) or a later one, the rows per sentence
-  (beams, 1 for greedy and sampling), and whether the caches are kept in place (beam search);
+- a decoder step: few rows (up to ``CompiledDecoderStep.template_rows``; generated product
+  kernels), some (up to ``few_rows``; each product the faster of the two, timed at ``few_rows``
+  rows when the package is built) or many (ATen's products); the first position (nothing cached)
+  or a later one; the rows per sentence (beams, 1 for greedy and sampling); and whether the caches
+  are kept in place (beam search);
 - the encoder with every decoder layer's encoder keys and values: few real source tokens
   (``few_tokens``) or many;
 - a search's tensor code between two steps (beam search's choices where one sentence is left):
@@ -88,6 +90,7 @@ class GraphPackages:
         self._filled = torch.empty(0, 0)  # a size-only argument: (positions filled, 0)
         self._search_kinds: dict[tuple, str] = {}  # (fn, its arguments' pattern) -> kind
         self.built: list[str] = []  # kinds this process built (the others it loaded)
+        self.built_bytes = 0  # their size on disk
         self.build_seconds = 0.0
         self.load_seconds = 0.0
 
@@ -107,15 +110,21 @@ class GraphPackages:
         in_place = caches.origins is not None
         if left or mask is None or mask.size(2) < 2 or not all(t.is_contiguous() for t in (*caches.keys, *caches.values)):
             return None
-        few, first = rows <= step.few_rows, caches.length == 0
+        first = caches.length == 0
+        # Up to template_rows rows the products are the generated kernels, chosen without a
+        # benchmark; up to few_rows, each product is timed at few_rows rows against ATen's (a
+        # package exported at 2 rows would time them at 2, where the generated kernels win, and keep
+        # that choice up to 16 rows: greedy decoding with a base-size model 16 sentences at a time
+        # ran at 0.81x ATen's speed); above, ATen's (as CompiledDecoderStep's graphs choose).
+        tier = "few" if rows <= step.template_rows else "some" if rows <= step.few_rows else "many"
         # One buffer row holds every position (one sentence, one hypothesis): the step attends
         # without gathering (CompiledDecoderStep._attend), a graph of its own with one row.
         single = in_place and caches.keys[0].size(0) == 1
-        kind = (f"step-{'few' if few else 'many'}-{'first' if first else 'later'}-per{per}"
+        kind = (f"step-{tier}-{'first' if first else 'later'}-per{per}"
                 f"{'-in-place' if in_place else ''}{'-one-row' if single else ''}")
         package = self._package(
-            kind, lambda: self._export_decoder(tokens, caches, mask, few, first, per, in_place, single),
-            templates_first=few, max_autotune=few)
+            kind, lambda: self._export_decoder(tokens, caches, mask, tier, first, per, in_place, single),
+            templates_first=tier == "few", max_autotune=tier != "many")
         if package is None:
             return None
         if self._filled.size(0) < caches.length:
@@ -227,21 +236,27 @@ class GraphPackages:
             temporary.unlink(missing_ok=True)
             return None
         seconds = time.perf_counter() - start
+        size = path.stat().st_size
+        log.info("compiled the %s graph in %.0f s: %s, %.1f MB", kind, seconds, path, size / 1e6)
         self.build_seconds += seconds
         _BUILD_SECONDS[0] += seconds
         self.built.append(kind)
+        self.built_bytes += size
         return self._load(path)
 
     # torch.export traces an example of each kind, made here with sizes of 2 and more: a size of 1
     # in the example would become a constant of the package (as torch.compile makes it one). Tokens:
     # any but padding.
-    def _export_decoder(self, tokens, caches, mask, few: bool, first: bool, per: int, in_place: bool,
+    def _export_decoder(self, tokens, caches, mask, tier: str, first: bool, per: int, in_place: bool,
                         single: bool):
         from torch.export import Dim
 
         step, most = self.step, self.step.model.cfg.max_positions
-        few_sentences = step.few_rows // per
-        b = 1 if single else 2 if few else few_sentences + 1
+        # The tier's sentences (rows / per), and the example's: 2 for few (the least that stays
+        # symbolic), the most for some (where the products are timed), the least for many.
+        low, top = {"few": (1, step.template_rows // per), "some": (step.template_rows // per + 1, step.few_rows // per),
+                    "many": (step.few_rows // per + 1, None)}[tier]
+        b = 1 if single else min(2, top) if tier == "few" else top if tier == "some" else low
         n = 0 if first else 2
         # Caches kept in place have a row for every hypothesis the batch began with; others, one a row.
         rows, buffer_rows, positions, source = per * b, per * b + (in_place and not single), n + step.room + 1, 5
@@ -254,18 +269,17 @@ class GraphPackages:
                    caches.origins.new_zeros(rows, positions) if in_place else None,
                    mask.new_zeros(heads * b, 1, source))
 
-        sentences_dim = (Dim.STATIC if single else Dim("sentences", min=1, max=few_sentences) if few
-                         else Dim("sentences", min=few_sentences + 1))
-        rows_dim = sentences_dim if per == 1 or single else per * sentences_dim
+        sentences_dim = Dim.STATIC if single or top == low else Dim("sentences", min=low, max=top)
+        rows_dim = sentences_dim if per == 1 or sentences_dim is Dim.STATIC else per * sentences_dim
         buffers_dim = (Dim.STATIC if single else rows_dim if not in_place
-                       else Dim("buffer_rows", min=max(2, per * (1 if few else few_sentences + 1))))
+                       else Dim("buffer_rows", min=max(2, per * low)))
         buffers = {0: buffers_dim, 2: Dim("positions", min=step.room + (0 if first else 1))}
         source_dim = Dim("source", min=2, max=most)
         dynamic = ({0: rows_dim}, [buffers] * len(caches.keys), [buffers] * len(caches.values),
                    {1: sentences_dim, 4: source_dim}, {1: sentences_dim, 3: source_dim},
                    None if first else {0: Dim("filled", min=1, max=most - 1)},
                    {0: rows_dim, 1: Dim("origin_positions", min=step.room + (0 if first else 1))} if in_place else None,
-                   {0: Dim.STATIC if single else heads * sentences_dim, 2: source_dim})
+                   {0: Dim.STATIC if sentences_dim is Dim.STATIC else heads * sentences_dim, 2: source_dim})
 
         def decoder(tokens, keys, values, encoder_keys, encoder_values, filled, origins, mask):
             return step._decoder_of(tokens, keys, values, encoder_keys, encoder_values, filled.size(0), origins, mask)
@@ -364,7 +378,7 @@ def _digest(step: "step_module.CompiledDecoderStep") -> str:
     sources = [inspect.getsource(m) for m in (step_module, layers, residual, transformer, sys.modules[__name__])]
     header = {"config": repr(step.model.cfg), "torch": torch.__version__, "python": sys.version_info[:2],
               "cpu": torch.backends.cpu.get_cpu_capability(), "options": repr(step_module.COMPILE_OPTIONS),
-              "sizes": [step.few_rows, step.few_tokens, step.room],
+              "sizes": [step.template_rows, step.few_rows, step.few_tokens, step.room],
               "sources": [hashlib.sha256(s.encode()).hexdigest() for s in sources]}
     h.update(json.dumps(header, sort_keys=True, default=str).encode())
     named = [*step.model.state_dict().items(), *(("encoder_kv." + k, v) for k, v in step.encoder_kv.state_dict().items())]
