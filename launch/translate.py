@@ -21,7 +21,7 @@ are compiled ahead of time and kept on disk (admin_ds/inference/packages.py) in 
 by default $ADMIN_DS_COMPILED_DIR, else $XDG_CACHE_HOME/admin_ds/compiled or
 ~/.cache/admin_ds/compiled: built the first time a run needs them (minutes), loaded by every later
 run of that model on that machine in seconds, with nothing left to compile (a 256-wide model's test
-set of 1,000 sentences: 13.0-13.8 s against 14.0-15.6 s eagerly). --no-compiled-dir, and --int8
+set of 1,000 sentences: 13.0-13.8 s against 13.4-15.6 s eagerly). --no-compiled-dir, and --int8
 --compile (the same int8 products with the operators between them compiled), compile with
 torch.compile in the process instead: one to three minutes at the start of every process (inductor's
 disk cache shortens a later process's to ~0.6x in fp32, ~0.5x in int8), which pays for large inputs

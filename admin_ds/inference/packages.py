@@ -112,10 +112,10 @@ class GraphPackages:
             return None
         first = caches.length == 0
         # Up to template_rows rows the products are the generated kernels, chosen without a
-        # benchmark; up to few_rows, each product is timed at few_rows rows against ATen's (a
-        # package exported at 2 rows would time them at 2, where the generated kernels win, and keep
-        # that choice up to 16 rows: greedy decoding with a base-size model 16 sentences at a time
-        # ran at 0.81x ATen's speed); above, ATen's (as CompiledDecoderStep's graphs choose).
+        # benchmark; up to few_rows, each product is timed at few_rows rows against ATen's; above,
+        # ATen's (as CompiledDecoderStep's graphs choose). One package for 1-16 rows, exported at 2,
+        # took the generated kernels for all of them: greedy decoding with a base-size model 16
+        # sentences at a time ran at 0.81x ATen's speed (BENCHMARKS.md).
         tier = "few" if rows <= step.template_rows else "some" if rows <= step.few_rows else "many"
         # One buffer row holds every position (one sentence, one hypothesis): the step attends
         # without gathering (CompiledDecoderStep._attend), a graph of its own with one row.
