@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         for precision in ["fp32"] + (["int8"] if args.int8 else []):
             flags = ["--int8"] if precision == "int8" else []
             cache = Path(tmp) / f"inductor_{precision}"  # empty: a cold start
-            compiled = [*flags, "--compile"] + (["--no-compiled-dir"] if precision == "fp32" else [])  # torch.compile's graphs
+            compiled = [*flags, "--compile", "--no-compiled-dir"]  # torch.compile's graphs, in the process
             plan = [("eager", flags, args.src), ("eager, repeated", flags, repeated),
                     ("compiled, empty cache", compiled, args.src),
                     ("compiled, its cache again", compiled, args.src),

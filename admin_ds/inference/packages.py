@@ -90,7 +90,6 @@ class GraphPackages:
         self._filled = torch.empty(0, 0)  # a size-only argument: (positions filled, 0)
         self._search_kinds: dict[tuple, str] = {}  # (fn, its arguments' pattern) -> kind
         self.built: list[str] = []  # kinds this process built (the others it loaded)
-        self.built_bytes = 0  # their size on disk
         self.build_seconds = 0.0
         self.load_seconds = 0.0
 
@@ -98,6 +97,11 @@ class GraphPackages:
     def loaded(self) -> list[str]:
         """The kinds this process runs from packages, built or loaded."""
         return [kind for kind, package in self._loaded.items() if package is not None]
+
+    @property
+    def built_bytes(self) -> int:
+        """What the kinds this process built take on disk."""
+        return sum(self.path(kind).stat().st_size for kind in self.built)
 
     def path(self, kind: str) -> Path:
         return self.directory / f"{self.key[:32]}-{kind}.pt2"
@@ -241,7 +245,6 @@ class GraphPackages:
         self.build_seconds += seconds
         _BUILD_SECONDS[0] += seconds
         self.built.append(kind)
-        self.built_bytes += size
         return self._load(path)
 
     # torch.export traces an example of each kind, made here with sizes of 2 and more: a size of 1
