@@ -155,7 +155,9 @@ def add_compile_arguments(p: argparse.ArgumentParser, compile_help: str) -> None
 
 
 def resolve_compile_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a --compiled-dir that cannot apply, and give an fp32 --compile the default directory."""
+    """Refuse a --compiled-dir that cannot apply, and give an fp32 --compile the default directory
+    (``args.compiled_dir_is_default``: neither --compiled-dir nor $ADMIN_DS_COMPILED_DIR chose it)."""
+    args.compiled_dir_is_default = False
     if args.compiled_dir is not None and (not args.compile or args.int8):
         p.error("--compiled-dir keeps the graphs of --compile in fp32: add --compile, drop --int8 "
                 "(inductor's own cache keeps the int8 graphs)")
@@ -163,3 +165,22 @@ def resolve_compile_arguments(p: argparse.ArgumentParser, args: argparse.Namespa
         p.error("--compiled-dir and --no-compiled-dir contradict each other: give one")
     if args.compile and not args.int8 and not args.no_compiled_dir and args.compiled_dir is None:
         args.compiled_dir = default_compiled_dir()
+        args.compiled_dir_is_default = not os.environ.get("ADMIN_DS_COMPILED_DIR")
+
+
+def settle_compiled_dir(args: argparse.Namespace) -> Optional[str]:
+    """Make the graphs directory ready before a model is loaded. A default one that cannot be used (a
+    read-only home, a cache another user owns) is dropped: the run compiles in the process, as with
+    --no-compiled-dir, and the returned warning says why. A directory the user chose stays, and its
+    problem stops the run where the model is loaded (a ValueError naming it)."""
+    if not args.compiled_dir_is_default:
+        return None
+    from admin_ds.inference.packages import prepare_directory
+
+    try:
+        prepare_directory(args.compiled_dir)
+    except ValueError as e:
+        args.compiled_dir, args.compiled_dir_is_default = None, False
+        return (f"warning: {e}; --compile compiles in this process instead (for minutes, every run): choose a "
+                "directory with --compiled-dir or $ADMIN_DS_COMPILED_DIR")
+    return None

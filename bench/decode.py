@@ -24,7 +24,8 @@ output tokens, EOS included); best of --repeats interleaved rounds after one war
 intra-op thread count for all (torch.set_num_threads; CTranslate2 intra_threads, inter_threads=1),
 for each of --threads. The report records the CPU's instruction-set flags: the ratio to CTranslate2
 moves with them (its backend: MKL/oneDNN on Intel, others elsewhere). --profile adds a
-torch.profiler breakdown of our beam search.
+torch.profiler breakdown of our beam search. --save-model PATH writes the random model as a model
+file and stops: launch/translate.py then runs the benchmark's model end to end.
 
 A CPU with fewer instructions can be stood in for on this one by limiting both libraries (recorded
 in the report), e.g. an AVX2-only CPU (AMD EPYC before Zen 4), with CTranslate2 off MKL as on AMD:
@@ -100,6 +101,9 @@ def parse_args(argv=None):
     p.add_argument("--compiled-dir", type=Path,
                    help="also ours with the compiled step's graphs kept in this directory (translate.py --compile "
                         "--compiled-dir; fp32): built in the warm-up when missing, else loaded")
+    p.add_argument("--save-model", type=Path, metavar="PATH",
+                   help="write the random model (--preset, --dims, --vocab) to PATH as a model file for "
+                        "launch/translate.py, and stop")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
@@ -150,26 +154,30 @@ def hardware() -> str:
     return text
 
 
-def build(args, tmp: Path):
-    """(ModelFile, src lines) with the model exported to tmp/hf and tmp/ct2 (float32)."""
+def random_model(args, tmp: Path):
+    """The randomly initialised --preset (or --dims) model with a --vocab SentencePiece vocabulary
+    trained on WMT newstest2013/2014 en+de (in ``tmp``), both seeded: the same model every time."""
     import torch
 
-    from admin_ds.inference import export
-    from admin_ds.inference.model_file import ModelFile, load_any
+    from admin_ds.data.subword import train_subword_model
+    from admin_ds.inference.model_file import ModelFile
     from admin_ds.model import build_model
     from admin_ds.model.presets import get_preset
 
-    if args.model is not None:
-        mf = load_any(args.model)
-    else:
-        from admin_ds.data.subword import train_subword_model
+    files = [DATA / f"newstest{y}.{lang}" for y in (2013, 2014) for lang in ("en", "de")]
+    spm = train_subword_model(files, tmp / "spm", vocab_size=args.vocab, seed=1, num_threads=2)
+    torch.manual_seed(1)
+    cfg = get_preset(args.preset, vocab_size=args.vocab, dropout_p=0.0, attention_dropout_p=0.0,
+                     activation_dropout_p=0.0, **(args.dims or {}))
+    return ModelFile(cfg, build_model(cfg).state_dict(), None, None, spm.read_bytes(), {"source": "bench"})
 
-        files = [DATA / f"newstest{y}.{lang}" for y in (2013, 2014) for lang in ("en", "de")]
-        spm = train_subword_model(files, tmp / "spm", vocab_size=args.vocab, seed=1, num_threads=2)
-        torch.manual_seed(1)
-        cfg = get_preset(args.preset, vocab_size=args.vocab, dropout_p=0.0, attention_dropout_p=0.0,
-                         activation_dropout_p=0.0, **(args.dims or {}))
-        mf = ModelFile(cfg, build_model(cfg).state_dict(), None, None, spm.read_bytes(), {"source": "bench"})
+
+def build(args, tmp: Path):
+    """(ModelFile, src lines) with the model exported to tmp/hf and tmp/ct2 (float32)."""
+    from admin_ds.inference import export
+    from admin_ds.inference.model_file import load_any
+
+    mf = load_any(args.model) if args.model is not None else random_model(args, tmp)
     export.export_hf_marian(mf, tmp / "hf")
     export.convert_ct2(tmp / "hf", tmp / "ct2")
     lines = [l for l in args.src.read_text(encoding="utf-8").splitlines() if l.strip()]
@@ -372,6 +380,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not args.src.is_file() or (args.model is None and not (DATA / "newstest2014.en").is_file()):
         print(f"skipped: {args.src} or {DATA} not found (the benchmark decodes real WMT sentences)")
+        return 0
+    if args.save_model:
+        from admin_ds.inference.model_file import save_model_file
+
+        with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:
+            mf = random_model(args, Path(tmp))
+            save_model_file(args.save_model, mf.model_config, mf.state_dict, None, None, mf.subword_model_bytes, mf.meta)
+        print(f"wrote {args.save_model}")
         return 0
     # ctranslate2 before torch: the two then share one OpenMP runtime. Imported the other way round
     # each brings its own, whose idle threads spin while the other library runs: on the 2-core Xeon

@@ -35,7 +35,7 @@ import numpy as np
 
 from admin_ds import files
 from admin_ds.arguments import (add_compile_arguments, existing_path, float_in, input_file, int_in,
-                                resolve_compile_arguments)
+                                resolve_compile_arguments, settle_compiled_dir)
 from admin_ds.errors import UserError
 from admin_ds.files import atomic_output, sha256_file
 from data_prep import PrepError
@@ -418,6 +418,9 @@ def run(a) -> int:
         threads = a.workers or len(cores)
         torch.set_num_threads(threads)
         manifest, sp = check_inputs(a)
+        warning = settle_compiled_dir(a)
+        if warning and rank == 0:
+            log(warning)
         t_load = time.perf_counter()
         model_id = model_identity(a.model, a.trust_unverified, a.int8, a.compile, a.compiled_dir)
         t_read = time.perf_counter()

@@ -19,15 +19,17 @@ per product (dynamic quantization, as CTranslate2's int8); faster, and no longer
 as compiled graphs (admin_ds/inference/step.py), fastest at a few sentences per batch. In fp32 they
 are compiled ahead of time and kept on disk (admin_ds/inference/packages.py) in --compiled-dir DIR,
 by default $ADMIN_DS_COMPILED_DIR, else $XDG_CACHE_HOME/admin_ds/compiled or
-~/.cache/admin_ds/compiled: built the first time a run needs them (minutes), loaded by every later
-run of that model on that machine in seconds, with nothing left to compile (a 256-wide model's test
-set of 1,000 sentences: 13.0-13.8 s against 13.4-15.6 s eagerly). --no-compiled-dir, and --int8
---compile (the same int8 products with the operators between them compiled), compile with
-torch.compile in the process instead: one to three minutes at the start of every process (inductor's
-disk cache shortens a later process's to ~0.6x in fp32, ~0.5x in int8), which pays for large inputs
-(from ~50,000 sentences of a 256-wide model on two cores: BENCHMARKS.md). The summary line says how
-much of the time went to compiling. On a CPU, glibc malloc keeps freed memory for the next batch
-(admin_ds/inference/allocator.py; ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
+~/.cache/admin_ds/compiled (a default that cannot be used, such as a read-only home, is dropped with
+a warning, as --no-compiled-dir; a directory named here or in the variable stops the run): built the
+first time a run needs them (minutes), loaded by every later run of that model on that machine in
+seconds, with nothing left to compile (a 256-wide model's test set of 1,000 sentences: 13.0-13.8 s
+against 13.4-15.6 s eagerly). --no-compiled-dir, and --int8 --compile (the same int8 products with
+the operators between them compiled), compile with torch.compile in the process instead: one to
+three minutes at the start of every process (inductor's disk cache shortens a later process's to
+~0.6x in fp32, ~0.5x in int8), which pays for large inputs (from ~50,000 sentences of a 256-wide
+model on two cores: BENCHMARKS.md). The summary line says how much of the time went to compiling. On
+a CPU, glibc malloc keeps freed memory for the next batch (admin_ds/inference/allocator.py;
+ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -43,7 +45,7 @@ import sys
 import time
 
 from admin_ds.arguments import (add_compile_arguments, existing_path, float_in, input_file, int_in,
-                                resolve_compile_arguments)
+                                resolve_compile_arguments, settle_compiled_dir)
 
 
 def parse_args(argv=None):
@@ -153,6 +155,9 @@ def main(argv=None) -> int:
             if device == "cpu":
                 tune_malloc_for_decoding()
             lines = read_input(str(args.input), rank)
+            warning = settle_compiled_dir(args)
+            if warning and rank == 0:
+                print(warning, file=sys.stderr)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
                                                   packed=not args.plain_linear, trust_unverified=args.trust_unverified,
                                                   precision="int8" if args.int8 else "fp32", compile_step=args.compile,

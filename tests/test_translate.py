@@ -242,6 +242,44 @@ def test_an_fp32_compile_keeps_its_graphs_in_the_user_cache_unless_told_otherwis
     assert not any(tmp_path.glob("**/compiled")) and not (tmp_path / "graphs").exists()  # parsing makes nothing
 
 
+def test_an_unusable_default_graphs_directory_falls_back_to_compiling_in_the_process(tmp_path, monkeypatch):
+    """A default graphs directory that cannot be used (here: its parent is a file; another one writable
+    by others) is dropped with a warning naming it and the way to choose one, and --compile compiles
+    in the process; a directory the user named (--compiled-dir, $ADMIN_DS_COMPILED_DIR) is kept, so
+    that loading the model stops on it. A usable default is made for this user alone."""
+    from admin_ds.arguments import settle_compiled_dir
+
+    model, text = tmp_path / "model.pt", tmp_path / "in.txt"
+    model.write_bytes(b"")
+    text.write_text("a\n")
+    parse = launch_module("translate").parse_args
+
+    def settled(*extra):
+        args = parse([str(a) for a in ("--checkpoint", model, "--input", text, "--compile", *extra)])
+        warning = settle_compiled_dir(args)
+        return args.compiled_dir, warning
+
+    monkeypatch.delenv("ADMIN_DS_COMPILED_DIR", raising=False)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    directory, warning = settled()
+    assert directory is None and str(tmp_path / "file" / "admin_ds" / "compiled") in warning, warning
+    assert warning.startswith("warning: ") and "--compiled-dir" in warning and "\n" not in warning
+    bad = tmp_path / "open" / "admin_ds" / "compiled"
+    bad.mkdir(parents=True)
+    bad.chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "open"))
+    directory, warning = settled()
+    assert directory is None and "writable by others" in warning and str(bad) in warning, warning
+    assert settled("--compiled-dir", bad) == (bad, None)  # named: kept, and loading refuses it
+    monkeypatch.setenv("ADMIN_DS_COMPILED_DIR", str(bad))
+    assert settled() == (bad, None)
+    monkeypatch.delenv("ADMIN_DS_COMPILED_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "good"))
+    good = tmp_path / "good" / "admin_ds" / "compiled"
+    assert settled() == (good, None) and (good.stat().st_mode & 0o777) == 0o700
+
+
 def test_translate_nbest_from_stdin(run_dir, lines, single_rank_output):
     text = "".join(f"{line}\n" for line in lines)
     rows = [r.split("\t") for r in ok(cli("translate.py", "--checkpoint", run_dir, "--input", "-",

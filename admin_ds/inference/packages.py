@@ -319,6 +319,15 @@ def open_packages(step: "step_module.CompiledDecoderStep", directory: str | os.P
     """The packages of ``step`` in ``directory`` (made, for this user alone, where missing). Raises
     ValueError for a directory another user owns or others may write to: its packages would run in
     this process."""
+    packages = GraphPackages(step, prepare_directory(directory))
+    step.packages = packages
+    return packages
+
+
+def prepare_directory(directory: str | os.PathLike) -> Path:
+    """``directory``, made for this user alone where missing, once it is safe to load packages from.
+    Raises ValueError, naming it, where it cannot be made or read, is not a directory, or another
+    user owns it or others may write to it."""
     directory = Path(directory)
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -333,9 +342,7 @@ def open_packages(step: "step_module.CompiledDecoderStep", directory: str | os.P
     if info.st_mode & 0o022:
         raise ValueError(f"compiled graphs directory {directory}: writable by others (mode "
                          f"{stat.S_IMODE(info.st_mode):o}); its packages would run in this process")
-    packages = GraphPackages(step, directory)
-    step.packages = packages
-    return packages
+    return directory
 
 
 @contextlib.contextmanager
