@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -71,7 +72,12 @@ def run(args, ranks: int, mono: Path, out: Path, cores=None, compiled_dir=None) 
     if r.returncode != 0:
         raise SystemExit(f"{ranks} rank(s) failed:\n{r.stderr[-3000:]}")
     print(r.stderr.strip().splitlines()[-1], flush=True)
-    return json.loads((out / "manifest.json").read_text())["throughput"]
+    t = json.loads((out / "manifest.json").read_text())["throughput"]
+    t["translations"] = [line for shard in sorted((out / "shards").glob("*.src"))
+                         for line in shard.read_text(encoding="utf-8").splitlines()]
+    if len(t["translations"]) != t["sentences_translated"]:
+        raise SystemExit(f"{out}/shards: {len(t['translations'])} translations for {t['sentences_translated']} sentences")
+    return t
 
 
 def main(argv=None) -> int:
@@ -83,10 +89,13 @@ def main(argv=None) -> int:
         raise SystemExit("--compile: graphs are kept on disk in fp32 only; drop --int8")
     rows, base = [], None
 
-    def row(decoder: str, ranks: int, t: dict, ratio: str) -> str:
+    def row(decoder: str, ranks: int, t: dict, ratio: str, eager: Optional[dict] = None) -> str:
+        same = ""
+        if eager is not None:  # the same shards, so the same batches
+            same = f"{sum(a == b for a, b in zip(t['translations'], eager['translations']))}/{len(eager['translations'])}"
         return (f"| {decoder} | {ranks} | {t['threads_per_rank']} | {t['cores_per_rank']} | {t['sentences_translated']} "
                 f"| {t['sentences_per_s']:.1f} | {ratio} | {t['sentences_per_s_end_to_end']:.1f} "
-                f"| {t['share']['decoding']:.0%} | {t['seconds']['compiling the decoder step']:.1f} |")
+                f"| {t['share']['decoding']:.0%} | {t['seconds']['compiling the decoder step']:.1f} | {same} |")
 
     with tempfile.TemporaryDirectory(prefix="bench_bt_") as tmp:
         mono = Path(tmp) / "mono.txt"
@@ -100,11 +109,13 @@ def main(argv=None) -> int:
                             run(args, ranks, mono, Path(tmp) / f"build{ranks}{'_1core' if cores else ''}", cores,
                                 graphs), ""))
         for ranks, cores in runs:
+            eager = None
             for decoder, compiled_dir in (("eager", None), *((("graphs on disk", graphs),) if graphs else ())):
                 out = Path(tmp) / f"out{ranks}{'_1core' if cores else ''}{'_graphs' if compiled_dir else ''}"
                 t = run(args, ranks, mono, out, cores, compiled_dir)
                 base = base or t["sentences_per_s"]
-                rows.append(row(decoder, ranks, t, f"{t['sentences_per_s'] / base:.2f}x"))
+                rows.append(row(decoder, ranks, t, f"{t['sentences_per_s'] / base:.2f}x", eager))
+                eager = eager or t
     print("\n".join([
         f"# Back-translation throughput ({datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')})",
         "",
@@ -114,8 +125,9 @@ def main(argv=None) -> int:
         f"{'int8' if args.int8 else 'fp32'}, --max-tokens {args.max_tokens}, 4 shards per rank",
         "",
         "| decoder | ranks | threads per rank | cores per rank | sentences | sentences/s | vs the first measured row "
-        "| end to end /s | decoding share of wall time | compiling or building graphs, s |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| end to end /s | decoding share of wall time | compiling or building graphs, s | translations equal to "
+        "eager's (same ranks) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
         *rows]))
     return 0
 

@@ -109,7 +109,10 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
     p.add_argument("--append", action="store_true", help="add the report after those already in --out "
                    "(default: replace the file)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.save_model and args.model:
+        p.error("--save-model writes the random model: drop --model")
+    return args
 
 
 def trained_model_arguments(p: argparse.ArgumentParser) -> None:
