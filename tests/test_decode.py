@@ -1068,6 +1068,7 @@ def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, m
     assert len(searches) >= 2  # one sentence's first step (one row) and its later ones
     assert set(packages.built) == set(packages.loaded) == kinds | searches
     assert stat.S_IMODE((tmp_path / "graphs").stat().st_mode) == 0o700
+    assert not list((tmp_path / "graphs").glob(".*.lock"))  # removed once their packages were in place
 
     # A package reads its inputs as the sizes it was compiled for say: one that does not match
     # (the one-row step's mask, whose rows are fixed at the heads of one sentence, with two

@@ -30,7 +30,8 @@ options, torch's version and the CPU's instruction set (``torch.backends.cpu.get
 A package is a shared library that the process runs, so the directory must be the user's own and
 not writable by others (checked when it is opened, as for any directory of executables).
 Processes that need a missing package at once (back-translation's ranks on one machine) take turns
-on a lock beside it: one builds it, the others wait and load it. A package is written under a
+on a lock beside it, removed once the package is in place: one builds it, the others wait and load
+it. A package is written under a
 temporary name and renamed into place, so no process loads a half-written file.
 """
 
@@ -349,13 +350,15 @@ def prepare_directory(directory: str | os.PathLike) -> Path:
 def _building(path: Path, kind: str) -> Iterator[None]:
     """Held while a package is looked for again and built: ranks that start together on one machine
     (back-translation) build each package once, the others wait for it and load it. An exclusive
-    flock on a file beside it, released by the kernel if the builder dies."""
+    flock on a file beside it, released by the kernel if the builder dies. The file is removed once
+    the package is in place: a process that finds the package takes no lock."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): each process builds what it finds missing
         yield
         return
-    fd = os.open(path.with_name(f".{path.stem}.lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    lock = path.with_name(f".{path.stem}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -363,6 +366,9 @@ def _building(path: Path, kind: str) -> Iterator[None]:
             log.info("waiting for another process to finish compiling the %s graph into %s", kind, path)
             fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+        if path.exists():
+            with contextlib.suppress(OSError):
+                lock.unlink()
     finally:
         os.close(fd)  # releases the lock
 
