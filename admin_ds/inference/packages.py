@@ -31,8 +31,8 @@ A package is a shared library that the process runs, so the directory must be th
 not writable by others (checked when it is opened, as for any directory of executables).
 Processes that need a missing package at once (back-translation's ranks on one machine) take turns
 on a lock beside it, removed once the package is in place: one builds it, the others wait and load
-it. A package is written under a
-temporary name and renamed into place, so no process loads a half-written file.
+it. A package is written under a temporary name and renamed into place, so no process loads a
+half-written file.
 """
 
 from __future__ import annotations
