@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -1020,6 +1021,10 @@ def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, m
     from admin_ds.inference.packed import optimize_for_decoding
 
     monkeypatch.setitem(step_module.COMPILE_OPTIONS, "max_autotune", False)
+    temporary = tmp_path / "tmp"  # where the loader extracts a package's library
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     model, _, _ = tiny_model_and_batch(dict(init="admin"))
     flat = packed_copy(model)
     src, _ = sources(21, 2)
@@ -1068,7 +1073,11 @@ def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, m
     assert len(searches) >= 2  # one sentence's first step (one row) and its later ones
     assert set(packages.built) == set(packages.loaded) == kinds | searches
     assert stat.S_IMODE((tmp_path / "graphs").stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "graphs").glob("*.pt2")} == {0o600}
     assert not list((tmp_path / "graphs").glob(".*.lock"))  # removed once their packages were in place
+    # The loaded packages' libraries, extracted under $TMPDIR, were removed once loaded (they run
+    # mapped): a process killed now leaves nothing there.
+    assert not [p.name for p in temporary.iterdir() if p.name.startswith(("aotinductor_", "admin_ds_package_"))]
 
     # A package reads its inputs as the sizes it was compiled for say: one that does not match
     # (the one-row step's mask, whose rows are fixed at the heads of one sentence, with two

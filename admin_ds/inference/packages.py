@@ -32,7 +32,7 @@ not writable by others (checked when it is opened, as for any directory of execu
 Processes that need a missing package at once (back-translation's ranks on one machine) take turns
 on a lock beside it, removed once the package is in place: one builds it, the others wait and load
 it. A package is written under a temporary name and renamed into place, so no process loads a
-half-written file.
+half-written file; it holds the model's weights and is readable by this user alone (mode 0600).
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -206,7 +208,8 @@ class GraphPackages:
         os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
         start = time.perf_counter()
         try:
-            package = torch._inductor.aoti_load_package(str(path))
+            with _extracted_privately():
+                package = torch._inductor.aoti_load_package(str(path))
         except Exception as e:  # a package from an interrupted or other build: built again
             log.warning("compiled graph %s could not be loaded (%s); building it again", path, e)
             return None
@@ -233,6 +236,7 @@ class GraphPackages:
                 program = export()
                 torch._inductor.aoti_compile_and_package(program, package_path=str(temporary),
                                                          inductor_configs=options)
+            temporary.chmod(0o600)  # the model's weights are in it: for this user alone, as its directory
             os.replace(temporary, path)
         except Exception as e:  # torch.export or AOTInductor cannot take this graph: torch.compile's run it
             log.warning("the %s graph cannot be kept on disk (%s: %s); it is compiled in this process",
@@ -371,6 +375,26 @@ def _building(path: Path, kind: str) -> Iterator[None]:
                 lock.unlink()
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def _extracted_privately() -> Iterator[None]:
+    """Held while a package loads. AOTInductor extracts the package's library into a new directory
+    under $TMPDIR and removes it when the process exits normally; a process that is killed (a
+    preempted job, the OOM killer) left it there, a package's size each time (a big-size model's
+    step: 0.4 GB). Here it goes into a directory of its own, removed once the package is loaded:
+    the library stays mapped, and the system frees its space when the process ends, however it ends."""
+    private = tempfile.mkdtemp(prefix="admin_ds_package_")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = private  # read by the loader
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def _file_identity(path: Path) -> Optional[tuple]:
