@@ -1005,6 +1005,33 @@ def test_compilation_seconds_grows_when_something_compiles():
 
 
 
+def test_packages_are_named_for_the_cpu_they_were_built_on(monkeypatch, tmp_path):
+    """A graphs directory in a home that machines of several kinds share (a cluster's partitions):
+    a package's name covers the CPU's instruction-set flags, its vendor and oneDNN's limit, so that
+    another kind of CPU builds its own packages instead of loading code compiled for instructions
+    it may lack. The same CPU names them alike (a later process loads them)."""
+    from admin_ds.inference import packages, packed
+    from admin_ds.inference.step import compile_decoder_step
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    model, _, _ = tiny_model_and_batch(dict(init="admin"))
+    step = compile_decoder_step(model, compiled_dir=tmp_path / "graphs")
+    here = step.packages.key
+    assert packages._digest(step) == here
+    info = dict(packed._cpuinfo())
+    flags = info.get("flags", "avx2 fma").split()
+    others = [{**info, "flags": " ".join(flags + ["amx_tile"])},  # one instruction set more
+              {**info, "flags": " ".join(flags[:-1])},  # one fewer
+              {**info, "vendor_id": "GenuineIntel" if info.get("vendor_id") != "GenuineIntel" else "AuthenticAMD"}]
+    for other in others:
+        monkeypatch.setattr(packed, "_cpuinfo", lambda other=other: other)
+        assert packages._digest(step) != here, other
+    monkeypatch.setattr(packed, "_cpuinfo", lambda: {**info, "flags": " ".join(reversed(flags))})
+    assert packages._digest(step) == here  # the flags as a set
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert packages._digest(step) != here
+
+
 @needs_cpp_compiler
 def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, monkeypatch):
     """translate.py --compile --compiled-dir: the step's and the encoder's graphs exported and

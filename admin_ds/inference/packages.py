@@ -26,7 +26,8 @@ Kinds, each a package of its own, built the first time a call needs it:
 
 A package is named by a digest of what its code depends on: the model's configuration and every
 weight, the source of the step and the model's layers (and of a search's code), the compile
-options, torch's version and the CPU's instruction set (``torch.backends.cpu.get_cpu_capability``).
+options, torch's version and the CPU (its instruction-set flags and vendor: machines of several
+kinds sharing a directory keep their packages apart).
 A package is a shared library that the process runs, so the directory must be the user's own and
 not writable by others (checked when it is opened, as for any directory of executables).
 Processes that need a missing package at once (back-translation's ranks on one machine) take turns
@@ -43,6 +44,7 @@ import inspect
 import json
 import logging
 import os
+import platform
 import shutil
 import stat
 import sys
@@ -55,7 +57,7 @@ import torch
 from torch import nn
 
 from admin_ds.model import layers, residual, transformer
-from admin_ds.inference import step as step_module
+from admin_ds.inference import packed, step as step_module
 
 log = logging.getLogger(__name__)
 
@@ -410,14 +412,26 @@ def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.contiguous()
 
 
+def _cpu_identity() -> list[str]:
+    """What a package built on this CPU may rely on: its instruction sets (ATen's choice, and every
+    flag /proc/cpuinfo lists, which decide inductor's), oneDNN's limit on them where one is set, and
+    its vendor (which decides how the products' weights are packed: packed.py). A directory in a
+    home shared by machines of several kinds (a cluster's partitions) then holds each kind's
+    packages apart: a package compiled for instructions another CPU lacks would stop that CPU's
+    process (SIGILL) instead of being built again there."""
+    info = packed._cpuinfo()
+    return [torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+            info.get("vendor_id", platform.machine()), " ".join(sorted(info.get("flags", "").split()))]
+
+
 def _digest(step: "step_module.CompiledDecoderStep") -> str:
     """What a package's code depends on, as one sha256: the model's configuration and weights (the
     decoder's and the stacked encoder product's), the source of the code traced, the compile
-    options, torch and the CPU's instruction set."""
+    options, torch and the CPU (``_cpu_identity``)."""
     h = hashlib.sha256()
     sources = [inspect.getsource(m) for m in (step_module, layers, residual, transformer, sys.modules[__name__])]
     header = {"config": repr(step.model.cfg), "torch": torch.__version__, "python": sys.version_info[:2],
-              "cpu": torch.backends.cpu.get_cpu_capability(), "options": repr(step_module.COMPILE_OPTIONS),
+              "cpu": _cpu_identity(), "options": repr(step_module.COMPILE_OPTIONS),
               "sizes": [step.template_rows, step.few_rows, step.few_tokens, step.room],
               "sources": [hashlib.sha256(s.encode()).hexdigest() for s in sources]}
     h.update(json.dumps(header, sort_keys=True, default=str).encode())
