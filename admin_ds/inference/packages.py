@@ -415,10 +415,10 @@ def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _cpu_identity() -> list[str]:
     """What a package built on this CPU may rely on: its instruction sets (ATen's choice, and every
     flag /proc/cpuinfo lists, which decide inductor's), oneDNN's limit on them where one is set, and
-    its vendor (which decides how the products' weights are packed: packed.py). A directory in a
-    home shared by machines of several kinds (a cluster's partitions) then holds each kind's
-    packages apart: a package compiled for instructions another CPU lacks would stop that CPU's
-    process (SIGILL) instead of being built again there."""
+    its vendor (on which MKL's and oneDNN's code paths, and so their packed weights' layouts,
+    depend). A directory in a home shared by machines of several kinds (a cluster's partitions)
+    then holds each kind's packages apart: one built on another kind of CPU may use instructions
+    this one lacks, or weights packed for code it does not run, and is built again here instead."""
     info = packed._cpuinfo()
     return [torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
             info.get("vendor_id", platform.machine()), " ".join(sorted(info.get("flags", "").split()))]
