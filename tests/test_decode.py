@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import stat
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -1003,6 +1004,55 @@ def test_compilation_seconds_grows_when_something_compiles():
     f(torch.arange(3.0))
     assert compilation_seconds() == after
 
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps: Linux")
+def test_the_pages_a_package_was_loaded_from_are_handed_back(tmp_path):
+    """packages._release_pages, called once a package is loaded: the pages of a file under the
+    package's directory that the process maps read-only (its library, whose weights loading copied
+    out) leave the resident set as /proc/self/smaps counts it; a file mapped from elsewhere keeps
+    its pages; both read back unchanged."""
+    import ctypes
+    import mmap
+
+    from admin_ds.inference.packages import _release_pages
+
+    # Whether this kernel takes MADV_PAGEOUT (Linux 5.4): asked of a page of this test's own.
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if madvise(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, 21) != 0:
+        pytest.skip("this kernel takes no MADV_PAGEOUT")
+
+    def resident(path: Path) -> int:
+        total, inside = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                fields = line.split()
+                if "-" in fields[0] and len(fields) >= 5 and fields[0][0] in "0123456789abcdef":
+                    inside = len(fields) >= 6 and fields[5] == str(path)
+                elif inside and fields[0] == "Rss:":
+                    total += int(fields[1]) * 1024
+        return total
+
+    data = os.urandom(4 << 20)
+    mapped = {}
+    for name in ("package", "elsewhere"):
+        path = tmp_path / name / "library.so"
+        path.parent.mkdir()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # clean pages, as a library's are once written back
+        with open(path, "rb") as f:
+            mapped[name] = path, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        assert mapped[name][1][:] == data and resident(path) >= 3 << 20  # read: resident
+    _release_pages(os.path.realpath(tmp_path / "package"))
+    assert resident(mapped["package"][0]) < 1 << 20
+    assert resident(mapped["elsewhere"][0]) >= 3 << 20
+    assert all(m[:] == data for _, m in mapped.values())
+    for _, m in mapped.values():
+        m.close()
 
 
 def test_packages_are_named_for_the_cpu_they_were_built_on(monkeypatch, tmp_path):

@@ -39,10 +39,12 @@ half-written file; it holds the model's weights and is readable by this user alo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import inspect
 import json
 import logging
+import mmap
 import os
 import platform
 import shutil
@@ -385,18 +387,44 @@ def _extracted_privately() -> Iterator[None]:
     under $TMPDIR and removes it when the process exits normally; a process that is killed (a
     preempted job, the OOM killer) left it there, a package's size each time (a big-size model's
     step: 0.4 GB). Here it goes into a directory of its own, removed once the package is loaded:
-    the library stays mapped, and the system frees its space when the process ends, however it ends."""
-    private = tempfile.mkdtemp(prefix="admin_ds_package_")
+    the library stays mapped, and the system frees its space when the process ends, however it
+    ends. The library's pages that loading read are handed back first (``_release_pages``)."""
+    private = os.path.realpath(tempfile.mkdtemp(prefix="admin_ds_package_"))
     before = os.environ.get("TMPDIR")
     os.environ["TMPDIR"] = private  # read by the loader
     try:
         yield
+        _release_pages(private)
     finally:
         if before is None:
             del os.environ["TMPDIR"]
         else:
             os.environ["TMPDIR"] = before
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _release_pages(directory: str) -> None:
+    """Advise the system to take back the pages of every file under ``directory`` that this process
+    maps read-only. Loading a package copies its weights out of its library; the pages copied from
+    stayed resident, as much again as the weights (BENCHMARKS.md, "A big-size model through the
+    graphs on disk"). MADV_PAGEOUT reclaims clean file pages and never discards data (a page the
+    loader wrote is anonymous and stays); the rare page needed later is read again from the file,
+    which stays while it is mapped. Linux 5.4 and later; elsewhere nothing happens."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            maps = f.read().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    prefix = directory.rstrip(os.sep) + os.sep
+    for line in maps:  # start-end perms offset device inode path
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and "w" not in fields[1] and fields[5].startswith(prefix):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            madvise(start, end - start, getattr(mmap, "MADV_PAGEOUT", 21))  # refused (EINVAL) before 5.4
 
 
 def _file_identity(path: Path) -> Optional[tuple]:
