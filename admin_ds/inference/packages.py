@@ -34,6 +34,8 @@ Processes that need a missing package at once (back-translation's ranks on one m
 on a lock beside it, removed once the package is in place: one builds it, the others wait and load
 it. A package is written under a temporary name and renamed into place, so no process loads a
 half-written file; it holds the model's weights and is readable by this user alone (mode 0600).
+A package loads into memory its own copy of the weights it uses; the library it was copied from is
+removed from $TMPDIR at once and its pages handed back (``_extracted_privately``).
 """
 
 from __future__ import annotations
