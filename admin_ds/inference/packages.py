@@ -405,28 +405,31 @@ def _extracted_privately() -> Iterator[None]:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def _release_pages(directory: str) -> None:
+def _release_pages(directory: str) -> int:
     """Advise the system to take back the pages of every file under ``directory`` that this process
-    maps read-only. Loading a package copies its weights out of its library; the pages copied from
-    stayed resident, as much again as the weights (BENCHMARKS.md, "A big-size model through the
-    graphs on disk"). MADV_PAGEOUT reclaims clean file pages and never discards data (a page the
-    loader wrote is anonymous and stays); the rare page needed later is read again from the file,
-    which stays while it is mapped. Linux 5.4 and later; elsewhere nothing happens."""
+    maps read-only; the bytes it took the advice for. Loading a package copies its weights out of
+    its library; the pages copied from stayed resident, as much again as the weights (BENCHMARKS.md,
+    "A big-size model through the graphs on disk"). MADV_PAGEOUT reclaims clean file pages and
+    never discards data (a page the loader wrote is anonymous and stays); the rare page needed
+    later is read again from the file, which stays while it is mapped. Linux 5.4 and later; an
+    older kernel refuses the advice and keeps the pages, and elsewhere nothing is asked (0)."""
     if not sys.platform.startswith("linux"):
-        return
+        return 0
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             maps = f.read().splitlines()
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
-        return
+        return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    prefix = directory.rstrip(os.sep) + os.sep
+    prefix, released = directory.rstrip(os.sep) + os.sep, 0
     for line in maps:  # start-end perms offset device inode path
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and "w" not in fields[1] and fields[5].startswith(prefix):
             start, end = (int(address, 16) for address in fields[0].split("-"))
-            madvise(start, end - start, getattr(mmap, "MADV_PAGEOUT", 21))  # refused (EINVAL) before 5.4
+            if madvise(start, end - start, getattr(mmap, "MADV_PAGEOUT", 21)) == 0:  # EINVAL before 5.4
+                released += end - start
+    return released
 
 
 def _file_identity(path: Path) -> Optional[tuple]:
