@@ -257,7 +257,7 @@ def test_corrupt_checkpoints_and_mismatched_inputs(tmp_path, data_dir):
     architecture is refused naming the field; a data directory with one flipped byte in a .bin
     is refused (data.path). A different vocabulary or subword model is refused by the same check
     as the architecture, shown on the checkpoint's own COMPLETE description."""
-    from admin_ds.train.checkpoints import read_info
+    from admin_ds.checkpoint_format import read_info
     from admin_ds.model.config import ConfigError
     from admin_ds.train.checkpoints import check_compatible
     from admin_ds.train.run_config import load_run_config

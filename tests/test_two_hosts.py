@@ -72,7 +72,7 @@ def _check_two_host_run(cluster, run, out0, reference):
     wrote = set(complete["files"])  # written by rank 0 on node1 and rank 1 on node2, digests checked
     assert {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
             "rng_rank0.pt", "rng_rank1.pt"} <= wrote, wrote
-    from admin_ds.train.checkpoints import verify
+    from admin_ds.checkpoint_format import verify
 
     assert verify(tag) is None
     assert (cluster.storage / run / "checkpoints" / "latest_complete").read_text().strip() == tag.name

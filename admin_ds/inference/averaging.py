@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from admin_ds.checkpoint_format import newest_verified_tags
 from admin_ds.errors import CheckpointError
 from admin_ds.inference.model_file import ModelFile, load_run_checkpoint
 
@@ -24,8 +25,6 @@ def average_checkpoints(run_dir: Path, last: int, log=lambda msg: print(msg, fil
     """The ModelFile averaging the ``last`` newest complete, intact checkpoints of ``run_dir``.
     A checkpoint whose files no longer match their digests is set aside (``<tag>.corrupt``, as a
     resume does), with a warning, and an older one takes its place."""
-    from admin_ds.train.checkpoints import newest_verified_tags
-
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")
     tags = newest_verified_tags(run_dir / "checkpoints", last, log=lambda msg: log(f"warning: {msg}"))

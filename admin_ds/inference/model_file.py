@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 
 from admin_ds import files, safe_load
+from admin_ds.checkpoint_format import COMPLETE, ds_to_universal, is_complete, newest_verified, read_info, verify
 from admin_ds.errors import CheckpointError
 from admin_ds.model.config import ModelConfig
 
@@ -187,8 +188,6 @@ def _locate(path: Path, tag: Optional[str], trust_unverified: bool) -> tuple[Pat
     as a resume does) and the newest intact one is used, with a warning; a tag given explicitly is
     refused, naming the file. A checkpoint without digests (older format) only with
     ``trust_unverified``."""
-    from admin_ds.train.checkpoints import COMPLETE, is_complete, newest_verified, read_info, verify
-
     if not path.exists():
         raise ModelFileError(f"{path}: no such run directory, checkpoint directory or model file")
     if not path.is_dir():
@@ -264,7 +263,6 @@ def _pipeline_weights(tag_dir: Path, model_config: ModelConfig, profile: Optiona
     DeepNorm's alpha) are not in it: omega comes from the profile, the rest from the config."""
     from admin_ds.model.profiling import Profile, omega_values
     from admin_ds.model.transformer import build_model
-    from admin_ds.train.checkpoints import ds_to_universal
 
     with tempfile.TemporaryDirectory(prefix="admin_ds_universal_") as tmp:
         with _stdout_to_stderr():

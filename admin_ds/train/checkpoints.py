@@ -39,15 +39,9 @@ refused with the reason (a ZeRO-0 data-parallel size change alone loads directly
 holds the whole optimizer state). Universal loading restores parameters, not buffers: a fixed
 (buffer) omega is written again from the checkpoint's profile by the loop.
 
-Layout under ``RUN_DIR/checkpoints``::
-
-    update_000500/            DeepSpeed files + COMPLETE + rng_rank{r}.pt
-    update_000500_universal/  its universal conversion, made when a run resumes on another layout
-    update_000250.corrupt/    a checkpoint whose files no longer match their digests (kept aside)
-    latest_complete           "update_000500"
-
-This module does not import DeepSpeed at import time (model files and averaging read the format
-without an engine); the converter is imported where it runs.
+The file format (tags, the ``COMPLETE`` marker, digests, the newest verified tag, the universal
+converter) is admin_ds/checkpoint_format.py, which model files and averaging read without an
+engine; this module adds what needs ranks and an engine. DeepSpeed is imported where it runs.
 """
 
 from __future__ import annotations
@@ -55,9 +49,7 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,109 +59,16 @@ import numpy as np
 import torch
 
 from admin_ds import distributed, files, safe_load
+from admin_ds.checkpoint_format import (COMPLETE, CONVERTED, POINTER, TAG_PATTERN, complete_tags, ds_to_universal,
+                                        is_complete, newest_complete, newest_verified, read_info, tag_for)
 from admin_ds.errors import CheckpointError, ConfigError
 
-COMPLETE = "COMPLETE"
-POINTER = "latest_complete"
-CONVERTED = "CONVERTED"  # marker of a complete universal conversion
 LAYOUT_KEYS = ("data_parallel", "pipeline", "zero", "precision")
-_TAG = re.compile(r"^update_(\d+)$")
 
 
 # ------------------------------------------------------------------------------------------------
-# The format: tags, markers, digests
+# Per-rank RNG states
 # ------------------------------------------------------------------------------------------------
-
-
-def tag_for(update: int) -> str:
-    return f"update_{update:06d}"
-
-
-def read_info(tag_dir: Path) -> dict:
-    """The ``COMPLETE`` marker's description of a complete checkpoint ({} if it does not parse)."""
-    try:
-        info = json.loads((tag_dir / COMPLETE).read_text())
-    except (OSError, ValueError):  # ValueError: invalid JSON or invalid UTF-8
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def is_complete(tag_dir: Path) -> bool:
-    """A ``COMPLETE`` marker that parses: one that does not (a torn or damaged write) counts as
-    incomplete, so the previous checkpoint is chosen instead of failing every rerun."""
-    return (tag_dir / COMPLETE).is_file() and isinstance(read_info(tag_dir), dict) and bool(read_info(tag_dir))
-
-
-def complete_tags(ckpt_dir: Path) -> list[str]:
-    """Complete tags, oldest first."""
-    if not ckpt_dir.is_dir():
-        return []
-    tags = [(int(m.group(1)), p.name) for p in ckpt_dir.iterdir()
-            if p.is_dir() and (m := _TAG.match(p.name)) and is_complete(p)]
-    return [name for _, name in sorted(tags)]
-
-
-def newest_complete(ckpt_dir: str | os.PathLike) -> Optional[str]:
-    ckpt_dir = Path(ckpt_dir)
-    pointer = ckpt_dir / POINTER
-    if pointer.is_file():
-        tag = pointer.read_text().strip()
-        if tag and is_complete(ckpt_dir / tag):
-            newer = [t for t in complete_tags(ckpt_dir) if t > tag]
-            return newer[-1] if newer else tag
-    tags = complete_tags(ckpt_dir)
-    return tags[-1] if tags else None
-
-
-def verify(tag_dir: Path) -> Optional[str]:
-    """What is wrong with a complete checkpoint's files (size or sha256 against the digests in
-    ``COMPLETE``), or None. Checkpoints written before digests were recorded pass."""
-    for name, (size, digest) in sorted(read_info(tag_dir).get("files", {}).items()):
-        f = tag_dir / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} were written"
-        if files.sha256_file(f) != digest:
-            return f"{name} does not match its sha256"
-    return None
-
-
-def newest_verified(ckpt_dir: str | os.PathLike, log=print) -> Optional[str]:
-    """The newest complete checkpoint whose files are intact. A corrupt one is moved aside to
-    ``<tag>.corrupt`` (kept for inspection, never loaded, never pruned) with the reason in it,
-    and the next older one is tried. One process only (rank 0)."""
-    ckpt_dir = Path(ckpt_dir)
-    while (tag := newest_complete(ckpt_dir)) is not None:
-        problem = verify(ckpt_dir / tag)
-        if problem is None:
-            return tag
-        _set_aside(ckpt_dir, tag, problem, log)
-    return None
-
-
-def newest_verified_tags(ckpt_dir: str | os.PathLike, count: int, log=print) -> list[str]:
-    """The ``count`` newest complete checkpoints whose files are intact (fewer if there are not
-    so many), oldest first; corrupt ones met on the way are set aside as by ``newest_verified``."""
-    ckpt_dir, found = Path(ckpt_dir), []
-    for tag in reversed(complete_tags(ckpt_dir)):
-        if len(found) == count:
-            break
-        problem = verify(ckpt_dir / tag)
-        if problem is None:
-            found.append(tag)
-        else:
-            _set_aside(ckpt_dir, tag, problem, log)
-    return found[::-1]
-
-
-def _set_aside(ckpt_dir: Path, tag: str, problem: str, log) -> None:
-    log(f"[resume] {ckpt_dir / tag} is corrupt ({problem}): moved to {tag}.corrupt; "
-        "trying the previous checkpoint")
-    aside = ckpt_dir / f"{tag}.corrupt"
-    shutil.rmtree(aside, ignore_errors=True)
-    (ckpt_dir / tag / "CORRUPT").write_text(problem + "\n")
-    os.replace(ckpt_dir / tag, aside)
 
 
 def rng_state() -> dict:
@@ -191,20 +90,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def ds_to_universal(tag_dir: Path, out_dir: Path, num_workers: int = 1) -> None:
-    """DeepSpeed's own converter to the universal (layout-free) checkpoint format."""
-    from deepspeed.checkpoint import ds_to_universal as conv
-
-    argv = ["--input_folder", str(tag_dir), "--output_folder", str(out_dir),
-            "--num_extract_workers", str(num_workers), "--num_merge_workers", str(num_workers)]
-    saved = sys.argv
-    try:
-        sys.argv = ["ds_to_universal"] + argv
-        conv.main(conv.parse_arguments())
-    finally:
-        sys.argv = saved
 
 
 # ------------------------------------------------------------------------------------------------
@@ -340,7 +225,7 @@ class CheckpointManager:
         if distributed.rank() != 0 or not self.dir.is_dir():
             return removed
         for p in self.dir.iterdir():
-            torn = p.is_dir() and ((_TAG.match(p.name) and not is_complete(p))
+            torn = p.is_dir() and ((TAG_PATTERN.match(p.name) and not is_complete(p))
                                    or (p.name.startswith(".") and p.name.endswith("_universal.tmp")))
             if torn:
                 shutil.rmtree(p, ignore_errors=True)
@@ -485,7 +370,7 @@ class CheckpointManager:
                 shutil.rmtree(self.dir / old, ignore_errors=True)
         newest = complete[-1] if complete else keep
         for p in self.dir.iterdir():  # torn tags older than the newest complete one are dead weight
-            if p.is_dir() and _TAG.match(p.name) and not is_complete(p) and p.name < newest:
+            if p.is_dir() and TAG_PATTERN.match(p.name) and not is_complete(p) and p.name < newest:
                 shutil.rmtree(p, ignore_errors=True)
         for p in self.dir.glob("*_universal"):  # conversions of tags that are gone
             if p.is_dir() and not (self.dir / p.name[: -len("_universal")]).is_dir():
