@@ -52,10 +52,13 @@ def main(argv=None, hooks=None) -> int:
             run.admin.profile_only = True
         if args.profile:
             run.admin.profile = str(args.profile)
+        from admin_ds.inference.scoring import score
+        from admin_ds.inference.translate import translate
+        from admin_ds.train.evaluator import BleuTools
         from admin_ds.train.loop import train
         from admin_ds.train.preemption import REQUEUE_STATUS
 
-        summary = train(run, args.deepspeed_config, hooks)
+        summary = train(run, args.deepspeed_config, hooks, BleuTools(translate, score))
     except (UserError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -106,12 +106,15 @@ _OPENED: list = []  # runs set up in this rank, closed before it leaves the proc
 
 
 def _training(run_overrides: list[str], ds: dict, tmp: str, hooks=None):
+    from admin_ds.inference.scoring import score
+    from admin_ds.inference.translate import translate
+    from admin_ds.train.evaluator import BleuTools
     from admin_ds.train.loop import Training
     from admin_ds.train.run_config import load_run_config
 
     ds_path = Path(tmp, f"ds_{os.environ['RANK']}.json")
     ds_path.write_text(json.dumps(ds))
-    training = Training(load_run_config(None, run_overrides), str(ds_path), hooks)
+    training = Training(load_run_config(None, run_overrides), str(ds_path), hooks, BleuTools(translate, score))
     _OPENED.append(training)
     training.setup()
     return training

@@ -1,6 +1,6 @@
 """The training run on one rank: the same loop for every layout.
 
-    train(run, ds_config_path, hooks=None)   # called by launch/train.py on every rank
+    train(run, ds_config_path, hooks=None, bleu_tools=None)   # called by launch/train.py on every rank
 
 Order of work (each step refuses bad input before the next one starts):
   1. resolve the DeepSpeed JSON against the run config; print the layout and the batch numbers
@@ -15,8 +15,9 @@ Order of work (each step refuses bad input before the next one starts):
   6. final checkpoint, validation loss, BLEU on the test split, summary
 
 The pieces know nothing of the layout: the runner does the steps (runners.py), the checkpoint
-manager the files (checkpoints.py), the evaluator the validation loss and BLEU, the run log the
-metrics. Extension points for tests and tools are the ``Hooks`` (hooks.py).
+manager the files (checkpoints.py), the evaluator the validation loss and BLEU (evaluator.py,
+with decoding and scoring handed in by the entry point), the run log the metrics. Extension
+points for tests and tools are the ``Hooks`` (hooks.py).
 """
 
 from __future__ import annotations
@@ -32,19 +33,19 @@ from typing import Optional
 import torch
 
 from admin_ds import distributed, files
-from admin_ds.data import EpochBatchIterator
-from admin_ds.data.binarize import load_manifest, open_split, prepare_default_data
+from admin_ds.data.binarize import load_manifest, prepare_default_data
 from admin_ds.errors import ConfigError
 from admin_ds.model.config import ModelConfig
 from admin_ds.model.profiling import Profile, omega_table
 from admin_ds.model.transformer import count_parameters
 from admin_ds.train import engine as eng
 from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_loading, describe, tag_for
+from admin_ds.train.evaluator import BleuTools, Evaluator
 from admin_ds.train.guard import DivergenceGuard, apply_lr_scale
 from admin_ds.train.hooks import Hooks
 from admin_ds.train.preemption import REQUEUE_STATUS, StopSignals
 from admin_ds.train.run_config import RunConfig, dump_run_config
-from admin_ds.train.runners import LN2, Runner, make_runner
+from admin_ds.train.runners import Runner, make_runner
 from admin_ds.train.watchdog import Watchdog
 
 
@@ -98,73 +99,15 @@ class RunLog:
             self.tb = None
 
 
-class Evaluator:
-    """Validation loss (every rank, through the runner) and BLEU (rank 0 decodes a consolidated
-    fp32 copy of the model with beam search; sacreBLEU and tokenized BLEU)."""
-
-    def __init__(self, run: RunConfig, runner: Runner, data_dir: Path, manifest: dict, cfg: ModelConfig,
-                 run_dir: Path) -> None:
-        self.run, self.runner, self.data_dir, self.manifest, self.cfg = run, runner, data_dir, manifest, cfg
-        self.run_dir = run_dir
-
-    def iterator(self, split: str, shuffle: bool, gas: int = 1) -> EpochBatchIterator:
-        """The batches of ``split``, sharded over the data-parallel ranks."""
-        r, data = self.runner, self.run.data
-        try:
-            return EpochBatchIterator(open_split(self.data_dir, split, self.manifest), data.max_tokens,
-                                      self.cfg.pad_idx, self.cfg.eos_idx, seed=self.run.train.seed, num_replicas=r.dp,
-                                      rank=r.dp_rank, shuffle=shuffle,
-                                      max_positions=min(data.max_positions, self.cfg.max_positions),
-                                      pad_to_multiple=data.pad_to_multiple, required_multiple=r.dp * gas)
-        except ValueError as e:
-            raise ConfigError(f"data.max_tokens={data.max_tokens}: {self.data_dir}, split {split}: {e}; raise "
-                              f"data.max_tokens, or lower data.max_positions={data.max_positions} to drop longer "
-                              "pairs") from None
-
-    @torch.no_grad()
-    def valid_loss(self, split: str) -> dict:
-        it = self.iterator(split, shuffle=False)
-        sums = self.runner.eval_loss([it.next_batch() for _ in range(it.batches_per_epoch)])
-        nll = float(sums[1] / sums[2] / LN2)
-        return {"loss": float(sums[0] / sums[2] / LN2), "nll": nll, "ppl": 2 ** nll, "ntokens": int(sums[2])}
-
-    def bleu(self, split: str) -> Optional[dict]:
-        """Collective (the state is gathered); the result on rank 0, None elsewhere."""
-        state = self.runner.state_dict()
-        if state is None:
-            return None
-        from admin_ds.data.subword import SubwordModel
-        from admin_ds.inference.scoring import score
-        from admin_ds.inference.translate import translate
-        from admin_ds.model.transformer import build_model
-
-        s, t = self.manifest["src_lang"], self.manifest["tgt_lang"]
-        srcs = (self.data_dir / f"{split}.{s}").read_text(encoding="utf-8").splitlines()
-        refs = (self.data_dir / f"{split}.{t}").read_text(encoding="utf-8").splitlines()
-        n = self.run.train.bleu_max_sentences
-        if n:
-            srcs, refs = srcs[:n], refs[:n]
-        model = build_model(self.cfg, seed=0).to(self.runner.device)
-        model.load_state_dict({k: v.float() for k, v in state.items()})
-        t0 = time.perf_counter()
-        hyps = translate(model, SubwordModel(self.data_dir / self.manifest["subword_model"]), srcs,
-                         beam=self.run.train.bleu_beam, lenpen=self.run.train.bleu_lenpen,
-                         max_tokens=self.run.data.max_tokens)
-        elapsed = time.perf_counter() - t0
-        (self.run_dir / f"{split}.hyp.{t}").write_text("\n".join(hyps) + "\n", encoding="utf-8")
-        result, copy = score(hyps, refs, f"{s}-{t}"), score(srcs, refs, f"{s}-{t}")  # copy: output = input
-        return {"bleu": result["bleu"], "tok_bleu": result["tok_bleu"], "chrf": result["chrf"],
-                "signature": result["signature"], "copy_bleu": copy["bleu"], "sentences": len(hyps),
-                "decode_s": round(elapsed, 2)}
-
-
 class Training:
     """One run on this rank. ``setup()`` builds everything, ``fit()`` trains, ``close()``
     releases the engine (collective teardown is distributed.shutdown)."""
 
-    def __init__(self, run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None) -> None:
+    def __init__(self, run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None,
+                 bleu_tools: Optional[BleuTools] = None) -> None:
         self.run, self.ds_path = run, ds_config_path
         self.hooks = hooks or Hooks()
+        self.bleu_tools = bleu_tools
         self.run_dir = Path(run.train.run_dir)
         self.runner: Optional[Runner] = None
         self.log: Optional[RunLog] = None
@@ -213,7 +156,7 @@ class Training:
         for line in self.runner.describe():
             self.log.info(line)
         self.guard = DivergenceGuard(run.guard)
-        self.evaluator = Evaluator(run, self.runner, self.data_dir, self.manifest, cfg, self.run_dir)
+        self.evaluator = Evaluator(run, self.runner, self.data_dir, self.manifest, cfg, self.run_dir, self.bleu_tools)
         self.iterator = self.evaluator.iterator("train", shuffle=True, gas=self.ds["gradient_accumulation_steps"])
         if self.iterator.dropped:
             self.log.info(f"[data] dropped {self.iterator.dropped} training pairs longer than "
@@ -533,9 +476,11 @@ def _whole_model_parameters(cfg: ModelConfig) -> int:
     return count_parameters(build_model(cfg, device="meta"))
 
 
-def train(run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None) -> dict:
-    """The whole run on this rank; leaves the process group (distributed.shutdown) on every path."""
-    clean, training = False, Training(run, ds_config_path, hooks)
+def train(run: RunConfig, ds_config_path: str, hooks: Optional[Hooks] = None,
+          bleu_tools: Optional[BleuTools] = None) -> dict:
+    """The whole run on this rank; leaves the process group (distributed.shutdown) on every path.
+    ``bleu_tools``: decoding and scoring for BLEU (evaluator.py); without them, validation loss only."""
+    clean, training = False, Training(run, ds_config_path, hooks, bleu_tools)
     try:
         training.setup()
         summary = training.fit()
