@@ -88,7 +88,8 @@ class Evaluator:
                                     max_tokens=self.run.data.max_tokens)
         elapsed = time.perf_counter() - t0
         (self.run_dir / f"{split}.hyp.{t}").write_text("\n".join(hyps) + "\n", encoding="utf-8")
-        result, copy = self.tools.score(hyps, refs, f"{s}-{t}"), self.tools.score(srcs, refs, f"{s}-{t}")  # copy: output = input
+        result = self.tools.score(hyps, refs, f"{s}-{t}")
+        copy = self.tools.score(srcs, refs, f"{s}-{t}")  # output = input: what BLEU a copy would get
         return {"bleu": result["bleu"], "tok_bleu": result["tok_bleu"], "chrf": result["chrf"],
                 "signature": result["signature"], "copy_bleu": copy["bleu"], "sentences": len(hyps),
                 "decode_s": round(elapsed, 2)}

@@ -44,6 +44,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from admin_ds.errors import ConfigError
 from admin_ds.model.config import ModelConfig
@@ -75,8 +78,6 @@ def layer_costs(cfg: ModelConfig, kinds: list[str]) -> list[float]:
 def partition(costs: list[float], num_stages: int) -> list[int]:
     """Stage boundaries (len num_stages + 1) minimising the most expensive stage (DeepSpeed's own
     balanced partitioner over our costs)."""
-    from deepspeed.runtime import utils as ds_utils
-
     if num_stages > len(costs):
         raise ConfigError(f"engine.pipeline_stages={num_stages} exceeds the {len(costs)} steps of the "
                           "forward pass; use fewer stages")
@@ -137,16 +138,17 @@ class PipelineStage:
         last_dec = self.kinds.count("decoder") - 1
         for kind in self.kinds:
             if kind == "encoder":
-                steps.append(EncoderStep(self, enc))
+                steps.append(EncoderLayerStep(self, enc))
                 enc += 1
             elif kind == "decoder":
-                steps.append(DecoderStep(self, dec, last=dec == last_dec))
+                steps.append(DecoderLayerStep(self, dec, last=dec == last_dec))
                 dec += 1
             elif kind == "norm":
-                steps.append(EncoderNorm(self) if norm_seen == 0 else DecoderNorm(self))
+                steps.append(EncoderNormStep(self) if norm_seen == 0 else DecoderNormStep(self))
                 norm_seen += 1
             else:
-                steps.append({"embed": EmbedSource, "embed_tgt": EmbedTarget, "project": Project}[kind](self))
+                other = {"embed": EmbedSourceStep, "embed_tgt": EmbedTargetStep, "project": ProjectStep}
+                steps.append(other[kind](self))
         return steps
 
     def describe(self) -> str:
@@ -199,13 +201,13 @@ class _Step:
         return self.stage.model
 
 
-class EmbedSource(_Step):
+class EmbedSourceStep(_Step):
     def __call__(self, inputs):
         src_ids, tgt_ids = inputs
         return self.stage.leave((self.model.embed_source(src_ids), src_ids, tgt_ids))
 
 
-class EncoderStep(_Step):
+class EncoderLayerStep(_Step):
     def __call__(self, inputs):
         x, src_ids, tgt_ids = self.stage.enter(inputs)
         self.stage.mask("encoder", src_ids)
@@ -213,19 +215,19 @@ class EncoderStep(_Step):
         return self.stage.leave((x, src_ids, tgt_ids))
 
 
-class EncoderNorm(_Step):
+class EncoderNormStep(_Step):
     def __call__(self, inputs):
         x, src_ids, tgt_ids = self.stage.enter(inputs)
         return self.stage.leave((self.model.encoder_layer_norm(x), src_ids, tgt_ids))
 
 
-class EmbedTarget(_Step):
+class EmbedTargetStep(_Step):
     def __call__(self, inputs):
         enc, src_ids, tgt_ids = self.stage.enter(inputs)
         return self.stage.leave((enc, src_ids, tgt_ids, self.model.embed_target(tgt_ids)))
 
 
-class DecoderStep(_Step):
+class DecoderLayerStep(_Step):
     def __init__(self, stage: PipelineStage, index: int, last: bool) -> None:
         super().__init__(stage, index)
         self.last = last
@@ -238,13 +240,13 @@ class DecoderStep(_Step):
         return self.stage.leave(y if self.last else (enc, src_ids, tgt_ids, y))
 
 
-class DecoderNorm(_Step):
+class DecoderNormStep(_Step):
     def __call__(self, inputs):
         y = self.stage.enter(inputs)[0] if self.stage.recorder is not None else inputs
         return self.stage.leave(self.model.decoder_layer_norm(y))
 
 
-class Project(_Step):
+class ProjectStep(_Step):
     def __call__(self, inputs):
         y = self.stage.enter(inputs)[0] if self.stage.recorder is not None else inputs
         return self.model.project(y)
@@ -257,101 +259,95 @@ class Project(_Step):
 
 def stage_of_rank(rank: int, world: int, num_stages: int) -> int:
     """This rank's stage in DeepSpeed's pipe x data topology (before any module is built)."""
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
-
     return PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages).get_coord(rank).pipe
 
 
-def build_pipeline_module(stage: PipelineStage, loss_fn, activation_checkpointing: bool = False):
-    """The ``PipelineModule`` that runs ``stage``. Needs torch.distributed initialised."""
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+class StagePipelineModule(PipelineModule):
+    """DeepSpeed's pipeline module around one stage of our model (module docstring). Needs
+    torch.distributed initialised."""
 
-    class StagePipelineModule(PipelineModule):
-        """DeepSpeed's pipeline module around one stage of our model (module docstring)."""
+    def __init__(self, stage: PipelineStage, loss_fn, activation_checkpointing: bool = False) -> None:
+        # Set before nn.Module's __init__ (it does not clear __dict__): _build needs them.
+        object.__setattr__(self, "_stage", stage)
+        object.__setattr__(self, "cfg", stage.cfg)  # the whole model's config, as on EncoderDecoder
+        object.__setattr__(self, "_keep_training", False)
+        kwargs = {}
+        if activation_checkpointing:  # DeepSpeed matches the steps by class name
+            kwargs = dict(activation_checkpoint_interval=1,
+                          checkpointable_layers=[EncoderLayerStep.__name__, DecoderLayerStep.__name__])
+        world = dist.get_world_size()
+        super().__init__(layers=stage.steps, loss_fn=loss_fn, dynamic_shape=True,
+                         topology=PipeDataParallelTopology(num_pp=stage.num_stages,
+                                                           num_dp=world // stage.num_stages), **kwargs)
 
-        def __init__(self) -> None:
-            # Set before nn.Module's __init__ (it does not clear __dict__): _build needs it.
-            object.__setattr__(self, "_stage", stage)
-            object.__setattr__(self, "cfg", stage.cfg)  # the whole model's config, as on EncoderDecoder
-            object.__setattr__(self, "_keep_training", False)
-            kwargs = {}
-            if activation_checkpointing:
-                kwargs = dict(activation_checkpoint_interval=1, checkpointable_layers=["EncoderStep", "DecoderStep"])
-            world = dist.get_world_size()
-            super().__init__(layers=stage.steps, loss_fn=loss_fn, dynamic_shape=True,
-                             topology=PipeDataParallelTopology(num_pp=stage.num_stages,
-                                                               num_dp=world // stage.num_stages), **kwargs)
+    def _partition_layers(self, method="uniform"):
+        self.parts = list(self._stage.parts)
+        self._set_bounds(start=self.parts[self._stage.stage_id], stop=self.parts[self._stage.stage_id + 1])
 
-        def _partition_layers(self, method="uniform"):
-            self.parts = list(stage.parts)
-            self._set_bounds(start=self.parts[stage.stage_id], stop=self.parts[stage.stage_id + 1])
+    def _build(self):
+        super()._build()  # the steps are plain callables: nothing is registered
+        for name, child in self._stage.model.named_children():
+            self.add_module(name, child)
+        for p in self.parameters():
+            p.ds_pipe_replicated = False
 
-        def _build(self):
-            super()._build()  # the steps are plain callables: nothing is registered
-            for name, child in stage.model.named_children():
-                self.add_module(name, child)
-            for p in self.parameters():
-                p.ds_pipe_replicated = False
+    def train(self, mode: bool = True):
+        mode = mode or self._keep_training
+        super().train(mode)
+        self._stage.model.training = mode  # the steps read the stage model's flag (dropout)
+        return self
 
-        def train(self, mode: bool = True):
-            mode = mode or self._keep_training
-            super().train(mode)
-            stage.model.training = mode  # the steps read the stage model's flag (dropout)
-            return self
-
-        # ---- the shared embedding ------------------------------------------------------
-        def _index_tied_modules(self):
-            owners = stage.embedding_stages()
-            comms = {}
-            if len(owners) < 2:
-                return comms
-            for dp in range(self._grid.data_parallel_size):  # every rank creates every group
-                ranks = [self._grid.stage_to_global(stage_id=s, data=dp) for s in owners]
-                group = dist.new_group(ranks=ranks)
-                if self.global_rank in ranks:
-                    emb = stage.model.src_embed
-                    comms["embed"] = {"ranks": ranks, "group": group, "weight_attr": ["weight"], "module": emb}
-                    if self.global_rank != ranks[0]:  # counted once by the fp16 optimizer
-                        for p in emb.parameters():
-                            p.ds_pipe_replicated = True
+    # ---- the shared embedding ------------------------------------------------------------------
+    def _index_tied_modules(self):
+        owners = self._stage.embedding_stages()
+        comms = {}
+        if len(owners) < 2:
             return comms
+        for dp in range(self._grid.data_parallel_size):  # every rank creates every group
+            ranks = [self._grid.stage_to_global(stage_id=s, data=dp) for s in owners]
+            group = dist.new_group(ranks=ranks)
+            if self.global_rank in ranks:
+                emb = self._stage.model.src_embed
+                comms["embed"] = {"ranks": ranks, "group": group, "weight_attr": ["weight"], "module": emb}
+                if self.global_rank != ranks[0]:  # counted once by the fp16 optimizer
+                    for p in emb.parameters():
+                        p.ds_pipe_replicated = True
+        return comms
 
-        def allreduce_tied_weight_gradients(self):
-            for comm in self.tied_comms.values():
-                dist.all_reduce(comm["module"].weight.grad, group=comm["group"])
+    def allreduce_tied_weight_gradients(self):
+        for comm in self.tied_comms.values():
+            dist.all_reduce(comm["module"].weight.grad, group=comm["group"])
 
-        def get_tied_weights_and_groups(self):
-            return [(comm["module"].weight, comm["group"]) for comm in self.tied_comms.values()]
+    def get_tied_weights_and_groups(self):
+        return [(comm["module"].weight, comm["group"]) for comm in self.tied_comms.values()]
 
-        # ---- checkpoints: one file per stage, the model's own names --------------------
-        def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-            if self._grid.data_parallel_id != 0:
-                return  # the data-parallel replicas of a stage hold the same weights
-            checkpoint_engine.makedirs(save_dir, exist_ok=True)
-            state = {k: v.detach().clone() for k, v in self.state_dict().items()}
-            checkpoint_engine.save(state_dict=state, path=os.path.join(save_dir, f"stage_{stage.stage_id:02d}-model_states.pt"))
+    # ---- checkpoints: one file per stage, the model's own names --------------------------------
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        if self._grid.data_parallel_id != 0:
+            return  # the data-parallel replicas of a stage hold the same weights
+        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        path = os.path.join(save_dir, f"stage_{self._stage.stage_id:02d}-model_states.pt")
+        checkpoint_engine.save(state_dict=state, path=path)
 
-        def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
-            paths = sorted(glob.glob(os.path.join(load_dir, "stage_*-model_states.pt")))
-            if not paths:
-                return  # a universal checkpoint: the weights come from its fp32 masters
-            merged = {}
-            for path in paths:
-                merged.update(checkpoint_engine.load(path, map_location="cpu"))
-            self.load_state_dict(merged, strict=strict)
-            self._synchronize_tied_weights()
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        paths = sorted(glob.glob(os.path.join(load_dir, "stage_*-model_states.pt")))
+        if not paths:
+            return  # a universal checkpoint: the weights come from its fp32 masters
+        merged = {}
+        for path in paths:
+            merged.update(checkpoint_engine.load(path, map_location="cpu"))
+        self.load_state_dict(merged, strict=strict)
+        self._synchronize_tied_weights()
 
-        def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-            """From the whole model's state dict (any layout's): this stage's names only."""
-            own = set(super().state_dict())
-            missing = sorted(own - set(state_dict))
-            if strict and missing:
-                raise KeyError(f"pipeline stage {stage.stage_id}: the checkpoint lacks {missing[:3]}")
-            return super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=strict,
-                                           assign=assign)
-
-    return StagePipelineModule()
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """From the whole model's state dict (any layout's): this stage's names only."""
+        own = set(super().state_dict())
+        missing = sorted(own - set(state_dict))
+        if strict and missing:
+            raise KeyError(f"pipeline stage {self._stage.stage_id}: the checkpoint lacks {missing[:3]}")
+        return super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=strict,
+                                       assign=assign)
 
 
 @contextlib.contextmanager

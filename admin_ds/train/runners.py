@@ -210,14 +210,14 @@ class PipelineRunner(Runner):
 
     def __init__(self, run, ds: dict, cfg: ModelConfig, hooks: Optional[Hooks] = None) -> None:
         super().__init__(run, ds, cfg, hooks)
-        from admin_ds.train.pipeline import PipelineStage, build_pipeline_module, stage_of_rank
+        from admin_ds.train.pipeline import PipelineStage, StagePipelineModule, stage_of_rank
 
         stages = run.engine.pipeline_stages
         world = distributed.world_size()
         self.stage = PipelineStage(cfg, run.train.seed, stages, stage_of_rank(self.rank, world, stages))
         self._set_decoder_masking(self.stage.model)
-        module = build_pipeline_module(self.stage, loss_fn=self._loss,
-                                       activation_checkpointing=run.engine.activation_checkpointing)
+        module = StagePipelineModule(self.stage, loss_fn=self._loss,
+                                     activation_checkpointing=run.engine.activation_checkpointing)
         self.engine = eng.initialize(module, run, ds)
         self.model = self.engine.module
         install_skip(self.engine)
