@@ -99,6 +99,133 @@ class RunLog:
             self.tb = None
 
 
+class Progress:
+    """The progress bar (rank 0, stderr) and the train records: loss, learning rate, and the
+    throughput over the updates since the previous record."""
+
+    def __init__(self, log: RunLog, total: int, initial: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.log, self.enabled = log, enabled
+        self.bar = tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="upd",
+                        mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+        self.tokens, self.t0 = 0, time.perf_counter()
+
+    def update(self, ntokens: int) -> None:
+        self.tokens += ntokens
+        self.bar.update(1)
+
+    def rolled_back(self, update: int) -> None:
+        self.bar.n = update
+        self.bar.refresh()
+
+    def record(self, state: TrainState, stats: dict, engine, precision: str, skipped_nonfinite: int) -> dict:
+        """Log the update just made; returns the record."""
+        record = {"update": state.update, "epoch": state.epoch, "loss": round(stats["loss"], 4),
+                  "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
+                  "lr": engine.get_lr()[0], "grad_norm": stats["grad_norm"],
+                  "loss_scale": engine.optimizer.loss_scale if precision == "fp16" else None,
+                  "tokens_per_s": round(self.tokens / max(time.perf_counter() - self.t0, 1e-9)),
+                  "tokens_per_update": stats["ntokens"], "padding": stats["padding"],
+                  "skipped_nonfinite": skipped_nonfinite}
+        self.log.record("train", **record)
+        if self.enabled:
+            self.bar.write(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                      for k, v in record.items() if v is not None))
+        self.tokens, self.t0 = 0, time.perf_counter()
+        return record
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Start-up: what every rank must agree on before a model is built
+# ------------------------------------------------------------------------------------------------
+
+
+def lock_run_dir(run_dir: Path, rank: int) -> Optional[files.DirectoryLock]:
+    """One training per run directory: rank 0 holds ``RUN_DIR/.lock`` for the whole run (the
+    kernel releases it if the process dies, so a killed run never blocks its resume); a second
+    training on the same directory stops at once, naming the host and pid that hold it, on
+    every rank. Translating from a run directory does not lock it. Collective."""
+    err, lock = None, None
+    if rank == 0:
+        try:
+            lock = files.DirectoryLock(run_dir)
+        except BlockingIOError as e:
+            err = f"train.run_dir: {e}: another training is running there; wait for it, or choose another run directory"
+        except OSError as e:
+            err = f"train.run_dir: {run_dir}: cannot be written ({e.strerror or e})"
+    err = distributed.broadcast_object(err)
+    if err:
+        raise ConfigError(err)
+    return lock
+
+
+def check_world(engine_cfg, log: RunLog) -> None:
+    """Print the ranks per node; refuse a launch of another size than ``engine.expect_*``."""
+    layout = distributed.world_layout()
+    log.info(f"[world] {layout['nodes']} node(s): " + ", ".join(
+        f"{host} x {n}" for host, n in layout["ranks_per_node"].items()))
+    for line in distributed.describe_ranks(layout["ranks"]):
+        log.info(f"[world] {line}")
+    for name, want, have in (("engine.expect_world_size", engine_cfg.expect_world_size, layout["world_size"]),
+                             ("engine.expect_nodes", engine_cfg.expect_nodes, layout["nodes"])):
+        if want is not None and want != have:
+            raise ConfigError(f"{name}={want}, but this launch has {have}; check the hostfile / "
+                              "allocation (nothing was started)")
+
+
+def data_directory(run: RunConfig, run_dir: Path, rank: int, log: RunLog) -> Path:
+    """``data.path``, or the embedded default, prepared by rank 0 into RUN_DIR/data. Collective."""
+    data = run.data
+    if data.path:
+        return Path(data.path)
+    out = run_dir / "data"
+    err = None
+    if rank == 0:
+        try:
+            prepare_default_data(out, n_pairs=data.default_pairs, vocab_size=data.default_vocab_size,
+                                 seed=run.train.seed, log=log.info)
+        except Exception as e:  # every rank must learn of it, not hang at the barrier
+            err = f"{type(e).__name__}: {e}"
+    err = distributed.broadcast_object(err)
+    if err:
+        raise RuntimeError(f"preparing the embedded default data failed on rank 0: {err}")
+    return out
+
+
+def read_manifest(data_dir: Path, rank: int) -> dict:
+    """The data directory's manifest, checksummed once by rank 0 (the others read the same
+    directory). Collective."""
+    result = None
+    if rank == 0:
+        try:
+            result = load_manifest(data_dir)
+        except (FileNotFoundError, ValueError) as e:
+            result = {"error": str(e)}
+    result = distributed.broadcast_object(result)
+    if "error" in result:
+        raise ConfigError(f"data.path: {result['error']}")
+    return result
+
+
+def given_profile(path: Optional[str], cfg: ModelConfig) -> Optional[Profile]:
+    """``admin.profile``, read and checked against the model before any work: a file of another
+    architecture (or a deepnmt list of another length) is refused with nothing written."""
+    if not path or cfg.init != "admin":
+        return None
+    profile = Profile.load(path, cfg)
+    profile.check_matches(cfg)
+    return profile
+
+
+# ------------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------------
+
+
 class Training:
     """One run on this rank. ``setup()`` builds everything, ``fit()`` trains, ``close()``
     releases the engine (collective teardown is distributed.shutdown)."""
@@ -121,11 +248,11 @@ class Training:
         raw_ds = eng.load_ds_config(self.ds_path)
         eng.init_distributed(run.engine.distributed_port, run.engine.dist_timeout_s, run.engine.connect_timeout_s)
         self.rank, self.world = distributed.rank(), distributed.world_size()
-        self._lock_run_dir()
+        self.lock = lock_run_dir(self.run_dir, self.rank)
         self.watchdog = Watchdog(run.engine.dist_timeout_s)  # a rank that stops or dies is named
         self.watchdog.start()
         self.log = RunLog(self.run_dir, self.rank == 0, run.train.tensorboard)
-        self._check_world()
+        check_world(run.engine, self.log)
         self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
         self.layout = eng.layout(self.ds, run.engine.pipeline_stages, self.world)
         dp, gas = self.layout["data_parallel"], self.ds["gradient_accumulation_steps"]
@@ -134,10 +261,10 @@ class Training:
         self.log.info(f"[batch] micro-batch <= {run.data.max_tokens} padded tokens x accumulation {gas} "
                       f"x data-parallel {dp} = up to {run.data.max_tokens * gas * dp} tokens per update")
 
-        self.data_dir = self._data_dir()
-        self.manifest = self._manifest()
+        self.data_dir = data_directory(run, self.run_dir, self.rank, self.log)
+        self.manifest = read_manifest(self.data_dir, self.rank)
         self.cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
-        self.given_profile = self._given_profile()
+        self.given_profile = given_profile(run.admin.profile, self.cfg)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", run.train.keep_last, self.log.info,
                                              self.hooks.on_checkpoint_write)
         # Before the engine: a layout change needs an engine built for universal loading.
@@ -168,76 +295,7 @@ class Training:
         # profile); a resumed run restores the checkpoint's RNG states instead.
         torch.manual_seed(run.train.seed)
 
-    def _lock_run_dir(self) -> None:
-        """One training per run directory: rank 0 holds ``RUN_DIR/.lock`` for the whole run (the
-        kernel releases it if the process dies, so a killed run never blocks its resume); a second
-        training on the same directory stops at once, naming the host and pid that hold it, on
-        every rank. Translating from a run directory does not lock it."""
-        err = None
-        if self.rank == 0:
-            try:
-                self.lock = files.DirectoryLock(self.run_dir)
-            except BlockingIOError as e:
-                err = f"train.run_dir: {e}: another training is running there; wait for it, or choose another run directory"
-            except OSError as e:
-                err = f"train.run_dir: {self.run_dir}: cannot be written ({e.strerror or e})"
-        err = distributed.broadcast_object(err)
-        if err:
-            raise ConfigError(err)
-
-    def _check_world(self) -> None:
-        layout = distributed.world_layout()
-        self.log.info(f"[world] {layout['nodes']} node(s): " + ", ".join(
-            f"{host} x {n}" for host, n in layout["ranks_per_node"].items()))
-        for line in distributed.describe_ranks(layout["ranks"]):
-            self.log.info(f"[world] {line}")
-        e = self.run.engine
-        for name, want, have in (("engine.expect_world_size", e.expect_world_size, layout["world_size"]),
-                                 ("engine.expect_nodes", e.expect_nodes, layout["nodes"])):
-            if want is not None and want != have:
-                raise ConfigError(f"{name}={want}, but this launch has {have}; check the hostfile / "
-                                  "allocation (nothing was started)")
-
-    def _data_dir(self) -> Path:
-        data = self.run.data
-        if data.path:
-            return Path(data.path)
-        out = self.run_dir / "data"
-        err = None
-        if self.rank == 0:
-            try:
-                prepare_default_data(out, n_pairs=data.default_pairs, vocab_size=data.default_vocab_size,
-                                     seed=self.run.train.seed, log=self.log.info)
-            except Exception as e:  # every rank must learn of it, not hang at the barrier
-                err = f"{type(e).__name__}: {e}"
-        err = distributed.broadcast_object(err)
-        if err:
-            raise RuntimeError(f"preparing the embedded default data failed on rank 0: {err}")
-        return out
-
-    def _manifest(self) -> dict:
-        result = None
-        if self.rank == 0:  # checksum once; other ranks read the same directory
-            try:
-                result = load_manifest(self.data_dir)
-            except (FileNotFoundError, ValueError) as e:
-                result = {"error": str(e)}
-        result = distributed.broadcast_object(result)
-        if "error" in result:
-            raise ConfigError(f"data.path: {result['error']}")
-        return result
-
     # ---- profiling -----------------------------------------------------------------------------
-    def _given_profile(self) -> Optional[Profile]:
-        """``admin.profile``, read and checked against the model before any work: a file of another
-        architecture (or a deepnmt list of another length) is refused with nothing written."""
-        path = self.run.admin.profile
-        if not path or self.cfg.init != "admin":
-            return None
-        profile = Profile.load(path, self.cfg)
-        profile.check_matches(self.cfg)
-        return profile
-
     def profiling_batch(self) -> dict:
         """This rank's first micro-batch of the first epoch (batches split for the data-parallel
         size only): the batch the reference profiles on. When the training iterator has exactly
@@ -356,6 +414,8 @@ class Training:
         return stats
 
     def fit(self) -> dict:
+        """Resume or profile, then updates until ``train.max_updates`` (or ``train.max_epochs``, or
+        a signal the ranks agreed on), then the final checkpoint and evaluation."""
         run = self.run
         if not self.try_resume():
             self.establish_profile()
@@ -365,75 +425,73 @@ class Training:
         if run.admin.profile_only:
             self.log.info(f"[admin] --profile-only: profile written to {self.run_dir / 'admin_profile.json'}")
             return {}
-        from tqdm import tqdm
-
-        bar = tqdm(total=run.train.max_updates, initial=self.state.update, disable=self.rank != 0,
-                   desc="train", unit="upd", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+        progress = Progress(self.log, run.train.max_updates, self.state.update, self.rank == 0)
         t_start = time.perf_counter()
-        window_tokens, window_t0 = 0, time.perf_counter()
         last, stopped = {}, None
         self.stop.install()
         while self.state.update < run.train.max_updates:
             if run.train.max_epochs and self.iterator.epoch > run.train.max_epochs:
                 break
             stats = self.train_update()
-            window_tokens += stats["ntokens"]
-            bar.update(1)
-            u = self.state.update
-            reason = self.guard.observe(stats)
-            if stats["nonfinite"]:
-                self.log.record("skip", update=u, loss=stats["loss"], skipped_nonfinite=self.guard.state.skipped_nonfinite)
-                self.log.info(f"[guard] update {u}: non-finite loss or gradient, update skipped "
-                              f"({self.guard.state.skipped_nonfinite} so far)")
-            if reason:
-                self.rollback(reason)
-                bar.n = self.state.update
-                bar.refresh()
+            progress.update(stats["ntokens"])
+            if self.guard_update(stats):  # rolled back: the update count went back
+                progress.rolled_back(self.state.update)
                 continue
+            u = self.state.update
             if u % run.train.log_interval == 0 or u == run.train.max_updates:
-                dt = time.perf_counter() - window_t0
-                engine = self.runner.engine
-                last = {"update": u, "epoch": self.state.epoch, "loss": round(stats["loss"], 4),
-                        "nll": round(stats["nll"], 4), "ppl": round(2 ** stats["nll"], 2),
-                        "lr": engine.get_lr()[0], "grad_norm": stats["grad_norm"],
-                        "loss_scale": engine.optimizer.loss_scale if self.layout["precision"] == "fp16" else None,
-                        "tokens_per_s": round(window_tokens / max(dt, 1e-9)), "tokens_per_update": stats["ntokens"],
-                        "padding": stats["padding"],
-                        "skipped_nonfinite": self.guard.state.skipped_nonfinite}
-                self.log.record("train", **last)
-                if self.rank == 0:
-                    bar.write(" | ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
-                                         for k, v in last.items() if v is not None))
-                window_tokens, window_t0 = 0, time.perf_counter()
-            if u % run.train.valid_interval_updates == 0 and u < run.train.max_updates:
-                self.watchdog.mark(f"validation after update {u}")
-                v = self.evaluator.valid_loss(run.data.valid_split)
-                self.log.record("valid", update=u, **v)
-                self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
-            every = run.train.bleu_interval_updates
-            if every and u % every == 0 and u < run.train.max_updates:
-                b = self.evaluator.bleu(run.data.valid_split)
-                if b is not None:
-                    self.log.record("valid_bleu", update=u, **b)
-                    self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
-            if u % run.train.save_interval_updates == 0 and u < run.train.max_updates:
-                self.save()
-            if u < run.train.max_updates:  # a signal after the last update changes nothing
+                last = progress.record(self.state, stats, self.runner.engine, self.layout["precision"],
+                                       self.guard.state.skipped_nonfinite)
+            # After the last update: the final checkpoint and evaluation; a signal then changes nothing.
+            if u < run.train.max_updates:
+                self.at_intervals(u)
                 stopped = self.stop.agreed(self.runner.device)
                 if stopped:
                     break
-        bar.close()
+        progress.close()
         train_s = time.perf_counter() - t_start
         if self.saved_update != self.state.update:  # decided locally: every rank agrees without I/O
             self.save()
         self.stop.restore()  # only now: a second signal must not interrupt the save
         if stopped:
-            u = self.state.update
-            self.log.record("stop", update=u, signals=stopped)
-            self.log.info(f"[stop] {stopped}: saved {self.checkpoints.dir / tag_for(u)} at update {u}; exit "
-                          f"status {REQUEUE_STATUS} (saved for requeue): the same command resumes from there")
-            return {"updates": u, "stopped_by": stopped, "requeue": True}
+            return self._stopped(stopped)
         return self._finish(train_s, last)
+
+    def guard_update(self, stats: dict) -> bool:
+        """The divergence guard's view of the update just made: a non-finite one is logged (it was
+        skipped), a divergence rolls back. True if it rolled back."""
+        reason = self.guard.observe(stats)
+        if stats["nonfinite"]:
+            u = self.state.update
+            self.log.record("skip", update=u, loss=stats["loss"], skipped_nonfinite=self.guard.state.skipped_nonfinite)
+            self.log.info(f"[guard] update {u}: non-finite loss or gradient, update skipped "
+                          f"({self.guard.state.skipped_nonfinite} so far)")
+        if reason:
+            self.rollback(reason)
+        return bool(reason)
+
+    def at_intervals(self, u: int) -> None:
+        """Validation loss, BLEU and checkpoints due after update ``u`` (not the last)."""
+        run = self.run
+        if u % run.train.valid_interval_updates == 0:
+            self.watchdog.mark(f"validation after update {u}")
+            v = self.evaluator.valid_loss(run.data.valid_split)
+            self.log.record("valid", update=u, **v)
+            self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
+        every = run.train.bleu_interval_updates
+        if every and u % every == 0:
+            b = self.evaluator.bleu(run.data.valid_split)
+            if b is not None:
+                self.log.record("valid_bleu", update=u, **b)
+                self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
+        if u % run.train.save_interval_updates == 0:
+            self.save()
+
+    def _stopped(self, signals) -> dict:
+        u = self.state.update
+        self.log.record("stop", update=u, signals=signals)
+        self.log.info(f"[stop] {signals}: saved {self.checkpoints.dir / tag_for(u)} at update {u}; exit "
+                      f"status {REQUEUE_STATUS} (saved for requeue): the same command resumes from there")
+        return {"updates": u, "stopped_by": signals, "requeue": True}
 
     def _finish(self, train_s: float, last: dict) -> dict:
         summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
