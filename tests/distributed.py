@@ -128,14 +128,34 @@ def _profile(t):
     return None if t.profile is None else {st: t.profile.omega(st) for st in ("encoder", "decoder")}
 
 
+def read_params(engine, names) -> dict:
+    """Full fp32 values of named parameters, (module tensor, optimizer master copy or None): what
+    the tests check omega against in every copy (admin_ds/train/engine.py write_params)."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = dict(engine.module.named_parameters())
+    out = {}
+    with torch.no_grad():
+        for name in names:
+            p = params[name]
+            if hasattr(p, "ds_id") and hasattr(p, "ds_shape"):  # a ZeRO-3 partition: gathered to read
+                with deepspeed.zero.GatheredParameters([p]):
+                    lp = p.data.detach().float().clone()
+            else:
+                lp = p.data.detach().float().clone()
+            hp = safe_get_full_fp32_param(p)
+            out[name] = (lp, None if hp is None else hp.detach().float().clone())
+    return out
+
+
 def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, read_omega: bool = False,
                   save: bool = False) -> dict:
     """Profile (or resume), run ``updates`` updates (then save, if asked); report losses, grad
     norms, skipped steps (and which the guard would count as non-finite), fp16 loss scales, peak GPU memory, omega, and per-parameter checksums of
     the whole model's state (rank 0)."""
     import torch
-
-    from admin_ds.train import engine as eng
 
     t = _training(run_overrides, ds, tmp)
     resumed = t.try_resume()
@@ -157,7 +177,7 @@ def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, re
     if read_omega:
         engine = t.runner.engine
         names = [n for n, _ in engine.module.named_parameters() if n.endswith("omega")]
-        vals = eng.read_params(engine, names)
+        vals = read_params(engine, names)
         omega = {n: [lp.tolist(), None if hp is None else hp.tolist()] for n, (lp, hp) in vals.items()}
     params = _checksums(t.runner.state_dict())
     if save:

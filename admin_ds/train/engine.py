@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -296,25 +296,6 @@ def write_params(engine, values: dict[str, torch.Tensor]) -> None:
                 refresh = True  # optimizers without an hp mapping (FP16_Optimizer): copy lp -> fp32
     if refresh and hasattr(engine.optimizer, "refresh_fp32_params"):
         engine.optimizer.refresh_fp32_params()
-
-
-@torch.no_grad()
-def read_params(engine, names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Full fp32 values of named parameters: (module tensor, master copy) for verification."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    params = dict(engine.module.named_parameters())
-    out = {}
-    for name in names:
-        p = params[name]
-        if _is_zero3_param(p):
-            with deepspeed.zero.GatheredParameters([p]):
-                lp = p.data.detach().float().clone()
-        else:
-            lp = p.data.detach().float().clone()
-        hp = safe_get_full_fp32_param(p)
-        out[name] = (lp, None if hp is None else hp.detach().float().clone())
-    return out
 
 
 def consolidated_state_dict(engine) -> Optional[dict]:
