@@ -5,6 +5,7 @@ DeepSpeed.
     train/       ranks and engines: run config, DeepSpeed engine, runners, the loop, checkpoints, guard
     data/        generated corpus, subword model, indexed datasets, batching, binarization
     inference/   decoding, model files, translation, averaging, export, scoring
+    checkpoint_format.py  the checkpoint files: COMPLETE marker, digests, newest verified tag
     distributed.py  joining and leaving the process group; small collectives
     files.py     atomic writes and digests
     errors.py    the errors a user can fix (one-line messages at the command line)
