@@ -121,26 +121,7 @@ def train_subword_model(
         FileNotFoundError: an input file is missing.
         ValueError: bad arguments; :class:`VocabSizeError` for an unattainable size.
     """
-    if isinstance(input_files, (str, os.PathLike)):
-        input_files = [input_files]  # a lone path, not an iterable of characters
-    inputs = [Path(f) for f in input_files]
-    if not inputs:
-        raise ValueError("input_files is empty")
-    for f in inputs:
-        if not f.is_file():
-            raise FileNotFoundError(f"subword training input not found: {f}")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
-    symbols = list(user_defined_symbols)
-    clashes = set(symbols) & set(SPECIAL_PIECES.values())
-    if clashes or len(set(symbols)) != len(symbols) or any(not s for s in symbols):
-        raise ValueError(f"user_defined_symbols must be distinct, non-empty and not "
-                         f"specials {sorted(SPECIAL_PIECES.values())}: {symbols}")
-    min_size = len(SPECIAL_PIECES) + len(symbols) + 1
-    if vocab_size < min_size:
-        raise VocabSizeError(f"vocab_size={vocab_size} cannot even hold the {min_size - 1} "
-                             f"special and user-defined symbols", suggested=None)
-
+    inputs, symbols = _checked_training_args(input_files, vocab_size, model_type, user_defined_symbols)
     final_prefix = Path(model_prefix)
     final_prefix.parent.mkdir(parents=True, exist_ok=True)
     if seed is not None:
@@ -170,9 +151,37 @@ def train_subword_model(
         )
     except RuntimeError as e:
         raise _explain_training_error(e, vocab_size, inputs) from e
-    model_bytes = proto.getvalue()
+    return _write_model(final_prefix, proto.getvalue())
 
-    # The same "piece<TAB>score" listing SentencePiece writes, for humans and tools.
+
+def _checked_training_args(input_files, vocab_size: int, model_type: str,
+                           user_defined_symbols: Iterable[str]) -> tuple[list[Path], list[str]]:
+    """The input paths and user-defined symbols of ``train_subword_model``, refused as it says."""
+    if isinstance(input_files, (str, os.PathLike)):
+        input_files = [input_files]  # a lone path, not an iterable of characters
+    inputs = [Path(f) for f in input_files]
+    if not inputs:
+        raise ValueError("input_files is empty")
+    for f in inputs:
+        if not f.is_file():
+            raise FileNotFoundError(f"subword training input not found: {f}")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    symbols = list(user_defined_symbols)
+    clashes = set(symbols) & set(SPECIAL_PIECES.values())
+    if clashes or len(set(symbols)) != len(symbols) or any(not s for s in symbols):
+        raise ValueError(f"user_defined_symbols must be distinct, non-empty and not "
+                         f"specials {sorted(SPECIAL_PIECES.values())}: {symbols}")
+    min_size = len(SPECIAL_PIECES) + len(symbols) + 1
+    if vocab_size < min_size:
+        raise VocabSizeError(f"vocab_size={vocab_size} cannot even hold the {min_size - 1} "
+                             f"special and user-defined symbols", suggested=None)
+    return inputs, symbols
+
+
+def _write_model(final_prefix: Path, model_bytes: bytes) -> Path:
+    """``{prefix}.vocab`` (the same "piece<TAB>score" listing SentencePiece writes, for humans
+    and tools), then ``{prefix}.model``, each atomically; returns the .model path."""
     sp = spm.SentencePieceProcessor(model_proto=model_bytes)
     vocab_text = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
 

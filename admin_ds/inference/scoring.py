@@ -234,24 +234,7 @@ def score(
     ter_metric = TER()
     ter = ter_metric.corpus_score(hyps, ref_streams)
 
-    # Tokenized BLEU.  BLEU(tokenize='none', smooth_method='none') is multi-bleu.perl: corpus
-    # BLEU-4 over whitespace tokens, case-sensitive, unsmoothed (0 if any n-gram order has no
-    # match) and BP = exp(1 - r/c) for c < r.  force=True only silences sacreBLEU's warning that
-    # the input looks tokenized -- here it is tokenized on purpose.
-    do_split = tgt_lang in _COMPOUND_SPLIT_LANGS
-    tok_hyps = moses_tokenize(hyps, tgt_lang)
-    tok_refs = moses_tokenize(refs, tgt_lang)
-    if do_split:
-        tok_hyps = [compound_split(line) for line in tok_hyps]
-        tok_refs = [compound_split(line) for line in tok_refs]
-    tok_bleu = BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(
-        tok_hyps, [tok_refs]
-    )
-    tok_signature = (
-        f"multi-bleu.perl|tok:moses-{tgt_lang}(no-escape,no-a)"
-        f"|compound_split:{'yes' if do_split else 'no'}"
-        f"|sacremoses:{_package_version('sacremoses')}"
-    )
+    tok_bleu, tok_signature, do_split = _tokenized_bleu(hyps, refs, tgt_lang)
 
     return {
         "lang_pair": lang_pair,
@@ -270,6 +253,31 @@ def score(
         "ter": ter.score,
         "ter_signature": str(ter_metric.get_signature()),
     }
+
+
+def _tokenized_bleu(hyps: list[str], refs: list[str], tgt_lang: str) -> tuple[BLEUScore, str, bool]:
+    """multi-bleu.perl BLEU on Moses-tokenized text (German targets compound-split): the score,
+    its signature, and whether the compound split applied.
+
+    BLEU(tokenize='none', smooth_method='none') is multi-bleu.perl: corpus BLEU-4 over whitespace
+    tokens, case-sensitive, unsmoothed (0 if any n-gram order has no match) and BP = exp(1 - r/c)
+    for c < r.  force=True only silences sacreBLEU's warning that the input looks tokenized --
+    here it is tokenized on purpose."""
+    do_split = tgt_lang in _COMPOUND_SPLIT_LANGS
+    tok_hyps = moses_tokenize(hyps, tgt_lang)
+    tok_refs = moses_tokenize(refs, tgt_lang)
+    if do_split:
+        tok_hyps = [compound_split(line) for line in tok_hyps]
+        tok_refs = [compound_split(line) for line in tok_refs]
+    tok_bleu = BLEU(tokenize="none", smooth_method="none", force=True).corpus_score(
+        tok_hyps, [tok_refs]
+    )
+    tok_signature = (
+        f"multi-bleu.perl|tok:moses-{tgt_lang}(no-escape,no-a)"
+        f"|compound_split:{'yes' if do_split else 'no'}"
+        f"|sacremoses:{_package_version('sacremoses')}"
+    )
+    return tok_bleu, tok_signature, do_split
 
 
 # --------------------------------------------------------------------------------------------

@@ -380,8 +380,15 @@ def run_analyses(depths: Iterable[int] = (1, 2, 4, 8, 16, 32), inits: Iterable[s
     if bar is not None:
         bar.close()
 
-    result = {"settings": settings, "output_change": {}, "dependency": {}}
-    for name in inits:
+    result = {"settings": settings, **_summarise(depths, changes, diagonals, deepest_beta)}
+    result["runtime_s"] = time.perf_counter() - start
+    return result
+
+
+def _summarise(depths: list[int], changes: dict, diagonals: dict, deepest_beta: dict) -> dict:
+    """``output_change`` and ``dependency`` of ``run_analyses``' result from the per-seed values."""
+    result = {"output_change": {}, "dependency": {}}
+    for name in changes:
         means = [float(np.mean(changes[name][d])) for d in depths]
         result["output_change"][name] = {
             "depths": depths,
@@ -398,7 +405,6 @@ def run_analyses(depths: Iterable[int] = (1, 2, 4, 8, 16, 32), inits: Iterable[s
             "deepest_depth": depths[-1],
             "beta": np.mean(deepest_beta[name], axis=0).tolist(),
         }
-    result["runtime_s"] = time.perf_counter() - start
     return result
 
 
