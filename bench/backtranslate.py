@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from decode import hardware  # noqa: E402  (bench/ is not a package)
+from decode import hardware  # noqa: E402  (the script's own directory, bench/, comes first on sys.path)
 
 
 def parse_args(argv=None):
