@@ -18,7 +18,7 @@ Throughput: the command ends with sentences/s and where the time went (decoding 
 loading, writing and combining), also recorded under ``throughput`` in the manifest. Each rank is
 pinned to its own share of the node's cores (admin_ds/distributed.py ``pin_to_cores``) and runs
 that many torch threads unless --workers says otherwise. --int8 decodes with int8 linear layers
-(CPU; admin_ds/inference/packed.py).
+(CPU; admin_ds/inference/int8.py).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ _MODEL_CACHE: dict = {}
 def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
     """The reverse model and its subword model, loaded once per process (admin_ds/inference/
     model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
-    torchrun or deepspeed), else on the CPU with oneDNN packed weights (or int8 ones)."""
+    torchrun or deepspeed), else on the CPU (in fp32, or int8)."""
     if "model" not in _MODEL_CACHE:
         import torch
 

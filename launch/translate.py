@@ -10,13 +10,10 @@
 --checkpoint is a run directory (its newest complete checkpoint), one checkpoint tag directory
 (``checkpoints/update_NNNNNN``) or a model file (launch/average_checkpoints.py). --fold decodes with
 omega folded away (admin_ds/model/fold.py): the same translations from a vanilla Post-LN model.
-On a CPU in fp32 the model's weights are first packed (admin_ds/inference/packed.py: oneDNN, and on
-Intel CPUs MKL's packed GEMM for a decoder step's products; faster matrix products at decoding's
-small row counts); --plain-linear decodes without that.
---int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
-per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
-(BENCHMARKS.md: speed and the BLEU change). For serving, export the model to CTranslate2
-(launch/export.py).
+--int8 (CPU) decodes with int8 linear layers (admin_ds/inference/int8.py): weights quantized per
+output row, activations per product (dynamic quantization, as CTranslate2's int8); faster, and no
+longer bit-exact (BENCHMARKS.md: speed and the BLEU change). For serving, export the model to
+CTranslate2 (launch/export.py).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -56,10 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--fold", action="store_true", help="fold omega into the weights first")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    p.add_argument("--plain-linear", action="store_true",
-                   help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference/packed.py)")
     p.add_argument("--int8", action="store_true",
-                   help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
+                   help="CPU: dynamic int8 linear layers (admin_ds/inference/int8.py); needs --dtype fp32")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
@@ -69,8 +64,8 @@ def parse_args(argv=None):
         p.error("--nbest > 1 needs --method beam")
     if args.nbest > args.beam:
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
-    if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
-        p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
+    if args.int8 and (args.dtype != "fp32" or args.device == "cuda"):
+        p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype and --device cuda")
     return args
 
 
@@ -133,7 +128,7 @@ def main(argv=None) -> int:
                 device = f"cuda:{torch.cuda.current_device()}"
             lines = read_input(str(args.input), rank)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
-                                                  packed=not args.plain_linear, trust_unverified=args.trust_unverified,
+                                                  trust_unverified=args.trust_unverified,
                                                   precision="int8" if args.int8 else "fp32")
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
