@@ -12,7 +12,7 @@
 omega folded away (admin_ds/model/fold.py): the same translations from a vanilla Post-LN model.
 --int8 (CPU) decodes with int8 linear layers (admin_ds/inference/int8.py): weights quantized per
 output row, activations per product (dynamic quantization, as CTranslate2's int8); faster, and no
-longer bit-exact (BENCHMARKS.md: speed and the BLEU change). For serving, export the model to
+longer bit-exact (BENCHMARKS.md: the BLEU change). For serving, export the model to
 CTranslate2 (launch/export.py).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
