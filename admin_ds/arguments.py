@@ -4,15 +4,12 @@ usage line, ``error: argument --beam: must be an integer >= 1, got 0``, exit sta
     p.add_argument("--beam", type=int_in(1), default=4)
     p.add_argument("--topp", type=float_in(0, 1, low_open=True), default=1.0)
     p.add_argument("--out", type=output_file, required=True)
-
-and the decoding CLIs' shared --compile options (``add_compile_arguments``, ``resolve_compile_arguments``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -130,57 +127,3 @@ def language_pair(text: str) -> str:
     if parts[0] == parts[1]:
         raise argparse.ArgumentTypeError(f"source and target are the same language in {text!r}")
     return text
-
-
-# ---- the decoding CLIs' --compile options (launch/translate.py, data_prep/backtranslate.py) ---------
-
-def default_compiled_dir() -> Path:
-    """Where ``--compile`` keeps its fp32 graphs unless told otherwise: ``$ADMIN_DS_COMPILED_DIR``,
-    else ``$XDG_CACHE_HOME/admin_ds/compiled``, else ``~/.cache/admin_ds/compiled``."""
-    if os.environ.get("ADMIN_DS_COMPILED_DIR"):
-        return Path(os.environ["ADMIN_DS_COMPILED_DIR"])
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "admin_ds" / "compiled"
-
-
-def add_compile_arguments(p: argparse.ArgumentParser, compile_help: str) -> None:
-    p.add_argument("--compile", action="store_true", help=compile_help)
-    p.add_argument("--compiled-dir", type=Path, default=None, metavar="DIR",
-                   help="with --compile, fp32: keep the compiled graphs in DIR (AOTInductor packages, "
-                        "admin_ds/inference/packages.py), built once for this model and machine and loaded by "
-                        "every later run and rank in seconds (default: $ADMIN_DS_COMPILED_DIR, else "
-                        "$XDG_CACHE_HOME/admin_ds/compiled or ~/.cache/admin_ds/compiled)")
-    p.add_argument("--no-compiled-dir", action="store_true",
-                   help="with --compile: keep no graphs on disk; every run compiles them again (for minutes)")
-
-
-def resolve_compile_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a --compiled-dir that cannot apply, and give an fp32 --compile the default directory
-    (``args.compiled_dir_is_default``: neither --compiled-dir nor $ADMIN_DS_COMPILED_DIR chose it)."""
-    args.compiled_dir_is_default = False
-    if args.compiled_dir is not None and (not args.compile or args.int8):
-        p.error("--compiled-dir keeps the graphs of --compile in fp32: add --compile, drop --int8 "
-                "(inductor's own cache keeps the int8 graphs)")
-    if args.compiled_dir is not None and args.no_compiled_dir:
-        p.error("--compiled-dir and --no-compiled-dir contradict each other: give one")
-    if args.compile and not args.int8 and not args.no_compiled_dir and args.compiled_dir is None:
-        args.compiled_dir = default_compiled_dir()
-        args.compiled_dir_is_default = not os.environ.get("ADMIN_DS_COMPILED_DIR")
-
-
-def settle_compiled_dir(args: argparse.Namespace) -> Optional[str]:
-    """Make the graphs directory ready before a model is loaded. A default one that cannot be used (a
-    read-only home, a cache another user owns) is dropped: the run compiles in the process, as with
-    --no-compiled-dir, and the returned warning says why. A directory the user chose stays, and its
-    problem stops the run where the model is loaded (a ValueError naming it)."""
-    if not args.compiled_dir_is_default:
-        return None
-    from admin_ds.inference.packages import prepare_directory
-
-    try:
-        prepare_directory(args.compiled_dir)
-    except ValueError as e:
-        args.compiled_dir, args.compiled_dir_is_default = None, False
-        return (f"warning: {e}; --compile compiles in this process instead (for minutes, every run): choose a "
-                "directory with --compiled-dir or $ADMIN_DS_COMPILED_DIR")
-    return None

@@ -11,11 +11,7 @@ Each run is the real command: one rank through the shell entry point, several th
 the wall time spent decoding. The goal: 2 ranks >= 1.8x one rank on the same cores.
 --one-core-baseline adds, as the first row (the one "vs the first row" divides by), one rank
 restricted to one core: the per-rank scaling, beside the single rank that uses every core through
-its intra-op threads. --compile adds, for every rank count, the same run with a compiled decoder
-step whose graphs are kept on disk (backtranslate.sh --compile --compiled-dir, in a directory of
-this benchmark's unless --compiled-dir names one): a first run of each shape (rank count, cores),
-reported on its own row, builds the graphs it needs, and the measured runs load them, as every run
-after a user's first does.
+its intra-op threads.
 """
 
 from __future__ import annotations
@@ -28,11 +24,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-from decode import hardware  # noqa: E402  (bench/ is not a package)
+from decode import hardware  # noqa: E402  (the script's own directory, bench/, comes first on sys.path)
 
 
 def parse_args(argv=None):
@@ -46,20 +40,15 @@ def parse_args(argv=None):
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--int8", action="store_true")
-    p.add_argument("--compile", action="store_true",
-                   help="also each rank count with graphs kept on disk (fp32), built by a run of their own first")
-    p.add_argument("--compiled-dir", type=Path, help="with --compile: the graphs directory (default: a new one)")
     p.add_argument("--one-core-baseline", action="store_true",
                    help="also 1 rank on one core (the first of this process's cores): the per-rank scaling")
     return p.parse_args(argv)
 
 
-def run(args, ranks: int, mono: Path, out: Path, cores=None, compiled_dir=None) -> dict:
-    """One run of the real command; ``cores``: the CPU cores it may use (default: all of ours);
-    ``compiled_dir``: with a compiled decoder step, its graphs kept there."""
+def run(args, ranks: int, mono: Path, out: Path, cores=None) -> dict:
+    """One run of the real command; ``cores``: the CPU cores it may use (default: all of ours)."""
     opts = ["--model", args.model, "--mono", mono, "--bitext", args.bitext, "--out", out, "--method", args.method,
-            "--beam", args.beam, "--max-tokens", args.max_tokens, "--shards", 4 * ranks, *(["--int8"] if args.int8 else []),
-            *(["--compile", "--compiled-dir", compiled_dir] if compiled_dir else [])]
+            "--beam", args.beam, "--max-tokens", args.max_tokens, "--shards", 4 * ranks, *(["--int8"] if args.int8 else [])]
     if ranks == 1:
         cmd = ["bash", str(REPO / "data_prep/backtranslate.sh")]
     else:
@@ -85,37 +74,19 @@ def main(argv=None) -> int:
     if not args.mono.is_file():
         print(f"skipped: {args.mono} not found")
         return 0
-    if args.compile and args.int8:
-        raise SystemExit("--compile: graphs are kept on disk in fp32 only; drop --int8")
     rows, base = [], None
-
-    def row(decoder: str, ranks: int, t: dict, ratio: str, eager: Optional[dict] = None) -> str:
-        same = ""
-        if eager is not None:  # the same shards, so the same batches
-            same = f"{sum(a == b for a, b in zip(t['translations'], eager['translations']))}/{len(eager['translations'])}"
-        return (f"| {decoder} | {ranks} | {t['threads_per_rank']} | {t['cores_per_rank']} | {t['sentences_translated']} "
-                f"| {t['sentences_per_s']:.1f} | {ratio} | {t['sentences_per_s_end_to_end']:.1f} "
-                f"| {t['share']['decoding']:.0%} | {t['seconds']['compiling the decoder step']:.1f} | {same} |")
-
     with tempfile.TemporaryDirectory(prefix="bench_bt_") as tmp:
         mono = Path(tmp) / "mono.txt"
         with open(args.mono, encoding="utf-8") as f:
             mono.write_text("".join(line for _, line in zip(range(args.lines), f)), encoding="utf-8")
-        graphs = (args.compiled_dir or Path(tmp) / "graphs") if args.compile else None
         runs = [(1, [min(os.sched_getaffinity(0))])] if args.one_core_baseline else []
         runs += [(r, None) for r in args.ranks]
-        for ranks, cores in runs if graphs else ():  # each shape of run builds the kinds of graph it calls
-            rows.append(row("graphs on disk, a first run that builds them (not measured)", ranks,
-                            run(args, ranks, mono, Path(tmp) / f"build{ranks}{'_1core' if cores else ''}", cores,
-                                graphs), ""))
         for ranks, cores in runs:
-            eager = None
-            for decoder, compiled_dir in (("eager", None), *((("graphs on disk", graphs),) if graphs else ())):
-                out = Path(tmp) / f"out{ranks}{'_1core' if cores else ''}{'_graphs' if compiled_dir else ''}"
-                t = run(args, ranks, mono, out, cores, compiled_dir)
-                base = base or t["sentences_per_s"]
-                rows.append(row(decoder, ranks, t, f"{t['sentences_per_s'] / base:.2f}x", eager))
-                eager = eager or t
+            t = run(args, ranks, mono, Path(tmp) / f"out{ranks}{'_1core' if cores else ''}", cores)
+            base = base or t["sentences_per_s"]
+            rows.append(f"| {ranks} | {t['threads_per_rank']} | {t['cores_per_rank']} | {t['sentences_translated']} "
+                        f"| {t['sentences_per_s']:.1f} | {t['sentences_per_s'] / base:.2f}x "
+                        f"| {t['sentences_per_s_end_to_end']:.1f} | {t['share']['decoding']:.0%} |")
     print("\n".join([
         f"# Back-translation throughput ({datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')})",
         "",
@@ -124,10 +95,9 @@ def main(argv=None) -> int:
         f"- {args.lines} lines of {args.mono.name}, {args.method} (beam {args.beam}), "
         f"{'int8' if args.int8 else 'fp32'}, --max-tokens {args.max_tokens}, 4 shards per rank",
         "",
-        "| decoder | ranks | threads per rank | cores per rank | sentences | sentences/s | vs the first measured row "
-        "| end to end /s | decoding share of wall time | compiling or building graphs, s | translations equal to "
-        "eager's (same ranks) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | threads per rank | cores per rank | sentences | sentences/s | vs the first row "
+        "| end to end /s | decoding share of wall time |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
         *rows]))
     return 0
 

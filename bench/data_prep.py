@@ -2,7 +2,7 @@
 memory against corpus size, and a projection to WMT14 En-Fr on a larger machine.
 
     python bench/data_prep.py                          # workers 1 and nproc, corpus x1 and x8
-    python bench/data_prep.py --workers 1 2 --scale 8 --repeats 3 --write bench/data_prep_results.md
+    python bench/data_prep.py --workers 1 2 --scale 8 --repeats 3 --write /tmp/data_prep.md
 
 The corpus (x1, ~45k En-De pairs) is real text from ../shared/data: newstest2013+2014, Multi30k
 train and the OpenNMT WMT sample; x8 repeats it with a copy number appended to both sides (so that

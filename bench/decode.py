@@ -3,7 +3,9 @@ generate), same weights, fp32 and int8, at several batch sizes.
 
     python bench/decode.py --batches 1 16 64 --threads 2 --precisions fp32 int8 --repeats 5 --profile
     python bench/decode.py --model runs/de-en --src ../shared/data/wmt14/en-de/newstest2014.de --length 0
-    python bench/decode.py --batches 16 --length 32 --transformers --plain --out /tmp/decode.md
+    python bench/decode.py --batches 16 --length 32 --transformers --out /tmp/decode.md
+    python bench/decode.py --model runs/de-en --src test.de --ref test.en --lang-pair de-en --length 0 \
+        --batches 64 --sentences 1000      # and the BLEU of each decoder: what int8 costs
 
 The model is --model (a run directory or model file: real output lengths, --length 0) or, by
 default, a randomly initialised base-6L-6L (Transformer-base, 512/2048/8 heads, 6+6 layers) over a
@@ -25,7 +27,9 @@ intra-op thread count for all (torch.set_num_threads; CTranslate2 intra_threads,
 for each of --threads. The report records the CPU's instruction-set flags: the ratio to CTranslate2
 moves with them (its backend: MKL/oneDNN on Intel, others elsewhere). --profile adds a
 torch.profiler breakdown of our beam search. --save-model PATH writes the random model as a model
-file and stops: launch/translate.py then runs the benchmark's model end to end.
+file and stops: launch/translate.py then runs the benchmark's model end to end. --ref (with a
+trained --model and --length 0) adds the sacreBLEU of every decoder's beam output at the first of
+--batches, and the change int8 makes to ours (the goal: at most 0.3 BLEU lost).
 
 A CPU with fewer instructions can be stood in for on this one by limiting both libraries (recorded
 in the report), e.g. an AVX2-only CPU (AMD EPYC before Zen 4), with CTranslate2 off MKL as on AMD:
@@ -47,7 +51,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared/data/wmt14/en-de"
@@ -92,42 +95,22 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, nargs="+", default=[2], help="intra-op thread counts to measure")
     p.add_argument("--precisions", nargs="+", choices=("fp32", "int8"), default=["fp32", "int8"])
     p.add_argument("--transformers", action="store_true", help="also transformers' generate (fp32)")
-    p.add_argument("--plain", action="store_true", help="also ours with F.linear (translate.py --plain-linear)")
-    p.add_argument("--onednn", action="store_true",
-                   help="also ours with every product packed for oneDNN (ADMIN_DS_PACKED_LINEAR=onednn; "
-                        "the default packs a step's products for MKL on Intel CPUs)")
-    p.add_argument("--compile", action="store_true",
-                   help="also ours with a compiled decoder step (translate.py --compile; with --int8 in int8)")
-    p.add_argument("--compiled-dir", type=Path,
-                   help="also ours with the compiled step's graphs kept in this directory (translate.py --compile "
-                        "--compiled-dir; fp32): built in the warm-up when missing, else loaded")
+    p.add_argument("--ref", type=Path, help="references of --src: also each decoder's BLEU (needs --length 0)")
+    p.add_argument("--lang-pair", default="en-de", help="SRC-TGT, for sacreBLEU's tokenizer (with --ref)")
     p.add_argument("--save-model", type=Path, metavar="PATH",
                    help="write the random model (--preset, --dims, --vocab) to PATH as a model file for "
                         "launch/translate.py, and stop")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="torch.profiler breakdown of our beam search")
-    p.add_argument("--out", default=str(REPO / "bench/decode_results.md"))
+    p.add_argument("--out", default="decode_results.md", help="the report (markdown)")
     p.add_argument("--append", action="store_true", help="add the report after those already in --out "
                    "(default: replace the file)")
     args = p.parse_args(argv)
     if args.save_model and args.model:
         p.error("--save-model writes the random model: drop --model")
+    if args.ref and args.length != 0:
+        p.error("--ref scores real translations: add --length 0 (and a trained --model)")
     return args
-
-
-def trained_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model and --src, both required: the scripts that decode a trained model's real sentences."""
-    from admin_ds.arguments import existing_path, input_file
-
-    p.add_argument("--model", type=existing_path, required=True, help="run directory or model file")
-    p.add_argument("--src", type=input_file, required=True, help="source sentences, one per line")
-
-
-def append_report(path: Path, lines: list[str]) -> None:
-    """Append a report's lines to ``path`` (bench/*_results.md) and say where they went."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"appended to {path}")
 
 
 def hardware() -> str:
@@ -187,31 +170,13 @@ def build(args, tmp: Path):
     return mf, lines
 
 
-def models(mf, precision: str, plain: bool, onednn: bool, compiled: bool = False, compiled_dir: Optional[Path] = None):
-    """{name: model} decoding as translate.py does in ``precision`` (and the F.linear model, the
-    model with every product packed for oneDNN, the model with a compiled decoder step, and the one
-    whose compiled graphs are kept in ``compiled_dir``)."""
+def models(mf, precision: str):
+    """{"admin_ds": model} decoding as translate.py does in ``precision``."""
+    from admin_ds.inference.int8 import quantize_for_decoding
     from admin_ds.inference.model_file import build_from_model_file
-    from admin_ds.inference.packed import optimize_for_decoding
 
-    out = {"admin_ds": optimize_for_decoding(build_from_model_file(mf)[0], precision)}
-    if compiled:
-        out["admin_ds_compiled"] = optimize_for_decoding(build_from_model_file(mf)[0], precision, compile_step=True)
-    if compiled_dir is not None and precision == "fp32":
-        out["admin_ds_packages"] = optimize_for_decoding(build_from_model_file(mf)[0], precision, compile_step=True,
-                                                         compiled_dir=compiled_dir)
-    if plain and precision == "fp32":
-        out["admin_ds_plain"] = build_from_model_file(mf)[0].eval()
-    if onednn and precision == "fp32":
-        before = os.environ.get("ADMIN_DS_PACKED_LINEAR")
-        os.environ["ADMIN_DS_PACKED_LINEAR"] = "onednn"
-        try:
-            out["admin_ds_onednn"] = optimize_for_decoding(build_from_model_file(mf)[0], precision)
-        finally:
-            os.environ.pop("ADMIN_DS_PACKED_LINEAR")
-            if before is not None:
-                os.environ["ADMIN_DS_PACKED_LINEAR"] = before
-    return out
+    model = build_from_model_file(mf)[0].eval()
+    return {"admin_ds": quantize_for_decoding(model) if precision == "int8" else model}
 
 
 def source_batch(subword, cfg, lines: list[str]):
@@ -326,18 +291,13 @@ def profile_search(fn) -> tuple[str, dict, float]:
     return events.table(sort_by="self_cpu_time_total", row_limit=12), shares, wall
 
 
-WARM_UP: dict = {}  # (engine, beam) -> seconds of its last warm-up call (a compiled step compiles there)
-
-
 def measure(args, runs) -> tuple[dict, dict]:
     """({(engine, beam): [seconds per round]}, {(engine, beam): outputs}): a warm-up (which checks
     the forced length), then --repeats rounds, interleaved so that a busy moment of the machine hits
     every decoder alike."""
     outputs = {}
     for key, run in runs.items():
-        t0 = time.perf_counter()
         outputs[key] = run()
-        WARM_UP[key] = time.perf_counter() - t0
         if args.length > 0:
             steps = [len(h) for h in outputs[key]]
             if set(steps) != {args.length + 1}:
@@ -369,14 +329,30 @@ def rows_for(args, label: str, times: dict, outputs: dict, n: int) -> list[str]:
         agree = [f"{e} {sum(a[:cut] == b[:cut] for a, b in zip(ref, outputs[(e, beam)]))}/{n}"
                  for e in engines if e != "admin_ds"]
         ratio = f"**{ct2 / ours:.2f}x**"
-        for engine, name in (("admin_ds_compiled", "compiled"), ("admin_ds_packages", "graphs on disk")):
-            if (engine, beam) in times:
-                ratio += (f"; {name} **{ct2 / min(times[(engine, beam)]):.2f}x** (its warm-up "
-                          f"{WARM_UP[(engine, beam)]:.0f} s)")
         rows.append(f"| {label} | {'greedy' if beam == 1 else f'beam {beam}'} | {ratio} | "
                     f"{'; '.join(cells)} | {'; '.join(agree)} | "
                     f"{' / '.join(f'{statistics.median(times[(e, beam)]):.3f}' for e in engines)} |")
     return rows
+
+
+def bleu_table(args, quality: dict, subword, sentences: list[str], eos: int) -> str:
+    """Markdown: sacreBLEU of each decoder's beam output against the first len(sentences) lines of
+    --ref, how many outputs equal ours in fp32, and the change int8 makes to ours."""
+    from admin_ds.inference.scoring import read_lines, score
+
+    ref = read_lines(args.ref)[:len(sentences)]
+    text = {key: subword.decode([[t for t in ids if t != eos] for ids in out]) for key, out in quality.items()}
+    bleu = {key: score(out, ref, args.lang_pair)["bleu"] for key, out in text.items()}
+    base = text.get(("admin_ds", "fp32"))
+    lines = [f"\n## Quality (beam {args.beam}, {len(ref)} sentences, {args.lang_pair})\n",
+             "| decoder | precision | BLEU | identical to ours in fp32 |", "|---|---|---:|---:|"]
+    for (engine, precision), value in bleu.items():
+        same = "" if base is None else f"{sum(a == b for a, b in zip(text[(engine, precision)], base))}/{len(ref)}"
+        lines.append(f"| {engine} | {precision} | {value:.2f} | {same} |")
+    if ("admin_ds", "fp32") in bleu and ("admin_ds", "int8") in bleu:
+        change = bleu[("admin_ds", "int8")] - bleu[("admin_ds", "fp32")]
+        lines.append(f"\nint8 BLEU change: {change:+.2f} ({'within' if change >= -0.3 else 'beyond'} the 0.3 budget)")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -399,22 +375,18 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from admin_ds.inference.allocator import tune_malloc_for_decoding
     from admin_ds.inference.model_file import build_from_model_file
 
-    malloc_tuned = tune_malloc_for_decoding()  # as translate.py: for every decoder in this process
     transformers.logging.set_verbosity_error()  # generate's notes on max_length vs max_new_tokens
     load_before = os.getloadavg()
-    rows, profile, packages = [], None, None
+    rows, profile, quality = [], None, {}
     with tempfile.TemporaryDirectory(prefix="bench_decode_") as tmp:
         torch.set_num_threads(args.threads[0])
         mf, lines = build(args, Path(tmp))
         sentences = lines[:args.sentences or max(args.batches)]
         _, subword = build_from_model_file(mf)
         for precision in args.precisions:
-            ours = models(mf, precision, args.plain, args.onednn, args.compile, args.compiled_dir)
-            if "admin_ds_packages" in ours:
-                packages = ours["admin_ds_packages"].compiled_decoder_step.packages
+            ours = models(mf, precision)
             cfg = ours["admin_ds"].cfg
             for threads in args.threads:
                 torch.set_num_threads(threads)
@@ -425,15 +397,11 @@ def main(argv=None) -> int:
                     rows += rows_for(args, f"{precision} | {threads} | {min(n, len(sentences))}", times, outputs,
                                      len(sentences))
                     print(rows[-2] + "\n" + rows[-1], flush=True)
+                    for engine in ("admin_ds", "ctranslate2"):  # beam outputs at the first batch size, for --ref
+                        quality.setdefault((engine, precision), outputs[(engine, args.beam)])
                     if args.profile and profile is None and precision == "fp32":
                         profile = (n, threads, profile_search(runs[("admin_ds", args.beam)]))
     load_after = os.getloadavg()
-    built = "" if packages is None else (f"{len(packages.built)} of {len(packages.loaded)} built in this run, "
-                                         f"{packages.build_seconds:.0f} s")
-    from admin_ds.inference.packed import _step_backend
-
-    step_backend = {"mkl": "MKL's packed GEMM", "onednn": "oneDNN"}[_step_backend()]
-
     script = Path(sys.argv[0]).resolve()
     command = " ".join(["python", str(script.relative_to(REPO) if script.is_relative_to(REPO) else script),
                         *sys.argv[1:]])
@@ -456,16 +424,7 @@ def main(argv=None) -> int:
         f"table's batch size, each padded on its own; {work}; best of "
         f"{args.repeats} interleaved rounds, encoding included",
         "",
-        "ours = admin_ds as translate.py decodes (fp32: weights packed, a decoder step's products for "
-        f"{step_backend}; int8: --int8"
-        + ("; compiled: translate.py --compile, a decoder step compiled by torch.compile, its compilation in "
-           "the warm-up call, not in the times" if args.compile else "")
-        + ("; graphs on disk: translate.py --compile --compiled-dir, the compiled step's graphs as AOTInductor "
-           f"packages in {args.compiled_dir}, built in the warm-up call if missing ({built}), else loaded"
-           if args.compiled_dir else "")
-        + "). glibc malloc's thresholds "
-        + ("set for decoding as translate.py sets them (admin_ds/inference/allocator.py), for every decoder in "
-           "the process." if malloc_tuned else "left as they are."),
+        "ours = admin_ds as translate.py decodes (fp32: the model as it is, eager PyTorch; int8: --int8).",
         "",
         "| precision | threads | batch | search | ours / CTranslate2 (speed) | sentences/s, target tokens/s "
         "| outputs identical to ours | median s (same order) |",
@@ -473,6 +432,8 @@ def main(argv=None) -> int:
         *rows,
         "",
     ])
+    if args.ref:
+        report += bleu_table(args, quality, subword, sentences, cfg.eos_idx)
     if profile:
         n, threads, (table, shares, wall) = profile
         report += (f"\n## Where our beam {args.beam} spends its time (fp32, batch {n}, {threads} threads, "

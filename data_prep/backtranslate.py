@@ -18,7 +18,7 @@ Throughput: the command ends with sentences/s and where the time went (decoding 
 loading, writing and combining), also recorded under ``throughput`` in the manifest. Each rank is
 pinned to its own share of the node's cores (admin_ds/distributed.py ``pin_to_cores``) and runs
 that many torch threads unless --workers says otherwise. --int8 decodes with int8 linear layers
-(CPU; admin_ds/inference/packed.py).
+(CPU; admin_ds/inference/int8.py).
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
 from admin_ds import files
-from admin_ds.arguments import (add_compile_arguments, existing_path, float_in, input_file, int_in,
-                                resolve_compile_arguments, settle_compiled_dir)
+from admin_ds.arguments import existing_path, float_in, input_file, int_in
 from admin_ds.errors import UserError
 from admin_ds.files import atomic_output, sha256_file
 from data_prep import PrepError
@@ -76,7 +75,6 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int_in(1), default=None,
                    help="torch threads per rank for decoding (default: the rank's share of the cores)")
     p.add_argument("--int8", action="store_true", help="CPU: decode with dynamic int8 linear layers")
-    add_compile_arguments(p, "CPU: compile the decoder step (as launch/translate.py --compile; with --int8 in int8)")
     p.add_argument("--min-len", type=int_in(0), default=1)
     p.add_argument("--max-len", type=int_in(1), default=250)
     p.add_argument("--ratio", type=float_in(1), default=1.5)
@@ -86,7 +84,6 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.min_len > a.max_len:
         p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
-    resolve_compile_arguments(p, a)
     return a
 
 
@@ -197,8 +194,7 @@ def translate_shard(model, subword, lines: list[str], a, seed: int) -> list[str]
 
 
 def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tuple[list[dict], dict]:
-    """(every shard's key, this rank's {"lines", "decode_s", "write_s"} for the shards it translated,
-    and with --compile "compile_s", the part of decode_s spent compiling)."""
+    """(every shard's key, this rank's {"lines", "decode_s", "write_s"} for the shards it translated)."""
     (a.out / "shards").mkdir(parents=True, exist_ok=True)
     bounds = shard_bounds(len(lines), a.shards)
     opts = {"method": a.method, "beam": a.beam, "lenpen": a.lenpen, "topk": a.topk,
@@ -216,7 +212,7 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tu
             log(f"[bt] shard {i}: already done, skipped")
             continue
         if model is None:
-            model, subword, _ = load_model(a.model, a.trust_unverified, a.int8, a.compile, a.compiled_dir)
+            model, subword, _ = load_model(a.model, a.trust_unverified, a.int8)
         t0 = time.perf_counter()
         s, e = bounds[i]
         src = translate_shard(model, subword, lines[s:e], a, a.seed + i)
@@ -233,53 +229,38 @@ def run_shards(a, lines: list[str], model_id: dict, rank: int, world: int) -> tu
         done["decode_s"] += t1 - t0
         done["write_s"] += time.perf_counter() - t1
         log(f"[bt] shard {i}: {e - s} lines translated ({a.method}) in {dt:.1f}s")
-    if a.compile and model is not None:
-        from admin_ds.inference.step import compilation_seconds
-
-        done["compile_s"] = compilation_seconds()  # within decode_s: the first batches compile
     return keys, done
 
 
 _MODEL_CACHE: dict = {}
 
 
-def load_model(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False,
-               compiled_dir: Optional[Path] = None):
+def load_model(path: Path, trust_unverified: bool = False, int8: bool = False):
     """The reverse model and its subword model, loaded once per process (admin_ds/inference/
     model_file.py ``load_for_decoding``): on this rank's GPU when there are GPUs (LOCAL_RANK from
-    torchrun or deepspeed), else on the CPU with oneDNN packed weights (or int8 ones), malloc's
-    thresholds set for decoding (admin_ds/inference/allocator.py); ``compile_step``: on the CPU,
-    with a compiled decoder step (admin_ds/inference/step.py), its graphs kept in ``compiled_dir``."""
+    torchrun or deepspeed), else on the CPU (in fp32, or int8)."""
     if "model" not in _MODEL_CACHE:
         import torch
 
         from admin_ds.errors import UserError
-        from admin_ds.inference.allocator import tune_malloc_for_decoding
         from admin_ds.inference.model_file import load_for_decoding
 
-        if torch.cuda.is_available() and not (int8 or compile_step):
+        if torch.cuda.is_available() and not int8:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
-        if device.type == "cpu":
-            try:
-                tune_malloc_for_decoding()
-            except ValueError as e:  # ADMIN_DS_TUNE_MALLOC's value
-                raise PrepError(str(e)) from None
         try:
             _MODEL_CACHE["model"] = load_for_decoding(path, device=device, trust_unverified=trust_unverified,
-                                                      precision="int8" if int8 else "fp32", compile_step=compile_step,
-                                                      compiled_dir=compiled_dir)
+                                                      precision="int8" if int8 else "fp32")
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             raise PrepError(f"--model {path}: {e}") from None
     return _MODEL_CACHE["model"]
 
 
-def model_identity(path: Path, trust_unverified: bool = False, int8: bool = False, compile_step: bool = False,
-                   compiled_dir: Optional[Path] = None) -> dict:
+def model_identity(path: Path, trust_unverified: bool = False, int8: bool = False) -> dict:
     """What identifies the reverse model: the model file's checksum, or the run checkpoint's
     source/tag/update and subword checksum; and the precision it decodes in."""
-    _, _, mf = load_model(path, trust_unverified, int8, compile_step, compiled_dir)
+    _, _, mf = load_model(path, trust_unverified, int8)
     ident = {"path": str(path.resolve()), "subword_sha256": mf.subword_sha256,
              "src_lang": mf.meta.get("src_lang"), "tgt_lang": mf.meta.get("tgt_lang"),
              "precision": "int8" if int8 else "fp32"}
@@ -382,16 +363,14 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
 def throughput_report(timings: dict, per_rank: list[dict], cores: list[list[int]], threads: int) -> dict:
     """Sentences/s and the share of the wall time in decoding vs the rest, from rank 0's clock
     (``timings``: seconds of each phase) and every rank's shard work (``per_rank``). Decoding is
-    the ranks' mean decode time (they decode at the same time), less the part spent compiling with
-    --compile (its own entry; the first batches compile); "waiting" is the translate phase's
+    the ranks' mean decode time (they decode at the same time); "waiting" is the translate phase's
     wall time that no rank spent decoding or writing on average (imbalance between ranks)."""
     total = sum(timings.values())
     n = sum(r["lines"] for r in per_rank)
     world = len(per_rank)
-    compiling = sum(r.get("compile_s", 0.0) for r in per_rank) / world
     decode = sum(r["decode_s"] for r in per_rank) / world
     write = sum(r["write_s"] for r in per_rank) / world
-    split = {"decoding": decode - compiling, "compiling the decoder step": compiling,
+    split = {"decoding": decode,
              "start-up and reading mono": timings["read"], "loading model": timings["load"],
              "writing shards": write, "waiting for other ranks": max(timings["translate"] - decode - write, 0.0),
              "combining": timings["combine"]}
@@ -418,11 +397,8 @@ def run(a) -> int:
         threads = a.workers or len(cores)
         torch.set_num_threads(threads)
         manifest, sp = check_inputs(a)
-        warning = settle_compiled_dir(a)
-        if warning and rank == 0:
-            log(warning)
         t_load = time.perf_counter()
-        model_id = model_identity(a.model, a.trust_unverified, a.int8, a.compile, a.compiled_dir)
+        model_id = model_identity(a.model, a.trust_unverified, a.int8)
         t_read = time.perf_counter()
         if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
             log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "

@@ -10,26 +10,10 @@
 --checkpoint is a run directory (its newest complete checkpoint), one checkpoint tag directory
 (``checkpoints/update_NNNNNN``) or a model file (launch/average_checkpoints.py). --fold decodes with
 omega folded away (admin_ds/model/fold.py): the same translations from a vanilla Post-LN model.
-On a CPU in fp32 the model's weights are first packed (admin_ds/inference/packed.py: oneDNN, and on
-Intel CPUs MKL's packed GEMM for a decoder step's products; faster matrix products at decoding's
-small row counts); --plain-linear decodes without that.
---int8 (CPU) decodes with int8 linear layers instead: weights quantized per output row, activations
-per product (dynamic quantization, as CTranslate2's int8); faster, and no longer bit-exact
-(BENCHMARKS.md: speed and the BLEU change). --compile (CPU) runs the encoder and each decoder step
-as compiled graphs (admin_ds/inference/step.py), fastest at a few sentences per batch. In fp32 they
-are compiled ahead of time and kept on disk (admin_ds/inference/packages.py) in --compiled-dir DIR,
-by default $ADMIN_DS_COMPILED_DIR, else $XDG_CACHE_HOME/admin_ds/compiled or
-~/.cache/admin_ds/compiled (a default that cannot be used, such as a read-only home, is dropped with
-a warning, as --no-compiled-dir; a directory named here or in the variable stops the run): built the
-first time a run needs them (minutes), loaded by every later run of that model on that machine in
-seconds, with nothing left to compile (a 256-wide model's test set of 1,000 sentences: 13.0-13.8 s
-against 13.4-15.6 s eagerly). --no-compiled-dir, and --int8 --compile (the same int8 products with
-the operators between them compiled), compile with torch.compile in the process instead: one to
-three minutes at the start of every process (inductor's disk cache shortens a later process's to
-~0.6x in fp32, ~0.5x in int8), which pays for large inputs (from ~50,000 sentences of a 256-wide
-model on two cores: BENCHMARKS.md). The summary line says how much of the time went to compiling. On
-a CPU, glibc malloc keeps freed memory for the next batch (admin_ds/inference/allocator.py;
-ADMIN_DS_TUNE_MALLOC=0 leaves it as it is).
+--int8 (CPU) decodes with int8 linear layers (admin_ds/inference/int8.py): weights quantized per
+output row, activations per product (dynamic quantization, as CTranslate2's int8); faster, and no
+longer bit-exact (BENCHMARKS.md: the BLEU change). For serving, export the model to
+CTranslate2 (launch/export.py).
 
 Output: one line per input line (an empty line gives an empty line). With --nbest N > 1: N lines
 ``i<TAB>score<TAB>text`` per input line, i the 0-based input line, best first, score fairseq's
@@ -44,8 +28,7 @@ import argparse
 import sys
 import time
 
-from admin_ds.arguments import (add_compile_arguments, existing_path, float_in, input_file, int_in,
-                                resolve_compile_arguments, settle_compiled_dir)
+from admin_ds.arguments import existing_path, float_in, input_file, int_in
 
 
 def parse_args(argv=None):
@@ -70,13 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--fold", action="store_true", help="fold omega into the weights first")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
-    p.add_argument("--plain-linear", action="store_true",
-                   help="CPU fp32: decode with F.linear instead of oneDNN packed weights (admin_ds/inference/packed.py)")
     p.add_argument("--int8", action="store_true",
-                   help="CPU: dynamic int8 linear layers (admin_ds/inference/packed.py); needs --dtype fp32")
-    add_compile_arguments(p, "CPU: compile the encoder and the decoder step (admin_ds/inference/step.py); needs a C++ "
-                             "compiler; the first run compiles for minutes, later ones load the graphs kept on disk "
-                             "(fp32, --compiled-dir)")
+                   help="CPU: dynamic int8 linear layers (admin_ds/inference/int8.py); needs --dtype fp32")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
@@ -86,11 +64,8 @@ def parse_args(argv=None):
         p.error("--nbest > 1 needs --method beam")
     if args.nbest > args.beam:
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
-    if args.int8 and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
-        p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype, --plain-linear and --device cuda")
-    if args.compile and (args.dtype != "fp32" or args.plain_linear or args.device == "cuda"):
-        p.error("--compile compiles a CPU decoder step from fp32 weights: drop --dtype, --plain-linear and --device cuda")
-    resolve_compile_arguments(p, args)
+    if args.int8 and (args.dtype != "fp32" or args.device == "cuda"):
+        p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype and --device cuda")
     return args
 
 
@@ -140,10 +115,9 @@ def main(argv=None) -> int:
 
     from admin_ds import distributed
     from admin_ds.errors import UserError
-    from admin_ds.inference.allocator import tune_malloc_for_decoding
     from admin_ds.inference.model_file import load_for_decoding
 
-    device = args.device or ("cuda" if torch.cuda.is_available() and not (args.int8 or args.compile) else "cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() and not args.int8 else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available", file=sys.stderr)
         return 2
@@ -152,16 +126,10 @@ def main(argv=None) -> int:
         try:
             if device == "cuda":
                 device = f"cuda:{torch.cuda.current_device()}"
-            if device == "cpu":
-                tune_malloc_for_decoding()
             lines = read_input(str(args.input), rank)
-            warning = settle_compiled_dir(args)
-            if warning and rank == 0:
-                print(warning, file=sys.stderr)
             model, subword, _ = load_for_decoding(args.checkpoint, args.tag, device, dtype, fold=args.fold,
-                                                  packed=not args.plain_linear, trust_unverified=args.trust_unverified,
-                                                  precision="int8" if args.int8 else "fp32", compile_step=args.compile,
-                                                  compiled_dir=args.compiled_dir)
+                                                  trust_unverified=args.trust_unverified,
+                                                  precision="int8" if args.int8 else "fp32")
         except (UserError, NotImplementedError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -175,21 +143,8 @@ def main(argv=None) -> int:
         if rank == 0:
             results.buffer.write("".join(f"{line}\n" for part in parts for line in part).encode("utf-8"))
             results.flush()
-            compiled = ""
-            if args.compile:
-                from admin_ds.inference.step import compilation_seconds
-
-                compiled = f", compiled step ({compilation_seconds():.1f}s of it compiling"
-                packages = model.compiled_decoder_step.packages
-                if packages is not None:
-                    built = (f"{len(packages.built)} built in {packages.build_seconds:.1f}s "
-                             f"({packages.built_bytes / 1e6:.0f} MB), " if packages.built else "")
-                    compiled += (f"; graphs on disk in {packages.directory}: {built}"
-                                 f"{len(packages.loaded) - len(packages.built)} loaded in {packages.load_seconds:.1f}s")
-                compiled += ")"
             print(f"[translate] {len(lines)} sentences in {time.perf_counter() - t0:.2f}s on {world} rank(s), "
                   f"{args.method}{f' {args.beam}' if args.method == 'beam' else ''}, {'int8' if args.int8 else args.dtype}"
-                  f"{compiled}"
                   f"{', folded' if args.fold else ''}; model {args.checkpoint}",
                   file=sys.stderr)
     return 0

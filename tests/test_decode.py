@@ -6,20 +6,14 @@ tokens, which exercises early stopping and beam reordering; the "full" one (180 
 Untrained models are degenerate here (every sentence runs to the max length repeating a token).
 """
 
-import collections
-import contextlib
 import copy
 import dataclasses
 import itertools
 import math
 import os
 import random
-import shutil
-import stat
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -543,228 +537,19 @@ def tiny_model_and_batch(kw):
     return plain, src, tgt
 
 
-def packed_copy(model):
-    from admin_ds.inference.packed import optimize_for_decoding
-
-    return optimize_for_decoding(copy.deepcopy(model))
-
-
-def count_packed(model):
-    from admin_ds.inference.packed import PackedLinear
-
-    return sum(isinstance(m, PackedLinear) for m in model.modules())
-
-
-needs_onednn = pytest.mark.skipif(
-    not __import__("admin_ds.inference.packed", fromlist=["x"]).packed_linear_available(),
-    reason="this PyTorch build has no oneDNN linear ops (the rewrite is then a no-op)")
-
-
-def require_mkl_packed():
-    """Skip where PyTorch was built without MKL (ARM builds): nothing to pack for. A build with MKL
-    must have its packed GEMM ops: their absence fails rather than skips."""
-    from admin_ds.inference.packed import mkl_packed_available
-
-    if not torch.backends.mkl.is_available():
-        pytest.skip("this PyTorch build has no MKL (an ARM build, for one): there is no MKL backend to test")
-    assert mkl_packed_available(), "PyTorch has MKL but not torch.ops.mkl._mkl_linear / _mkl_reorder_linear_weight"
-
-
-@pytest.fixture(params=["onednn", "mkl"])
-def step_backend(request, monkeypatch):
-    """Each backend of a decoder step's packed products, whatever the CPU's default."""
-    if request.param == "mkl":
-        require_mkl_packed()
-    monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", request.param)
-    return request.param
-
-
-@needs_onednn
-@pytest.mark.parametrize("kw", [dict(init="admin"), dict(activation="gelu", init="default"),
-                                dict(share_all_embeddings=False, share_decoder_input_output_embed=False,
-                                     norm_order="pre", init="default")])
-def test_packed_model_computes_what_the_plain_model_computes(kw, step_backend):
-    """Every Linear packed (FFN activation fused, Q/K/V of a decoder step in one product, the tied
-    output projection too; a step's products for oneDNN or MKL, the encoder's for oneDNN):
-    full-forward logits and step-by-step logits equal the plain model's to float32 rounding, and
-    the rewritten model's own step-by-step path equals its full forward."""
-    from admin_ds.inference.packed import PackedLinear
-
-    plain, src, tgt = tiny_model_and_batch(kw)
-    packed = packed_copy(plain)
-    layers = plain.cfg.num_encoder_layers + plain.cfg.num_decoder_layers
-    expected = 6 * plain.cfg.num_encoder_layers + 11 * plain.cfg.num_decoder_layers + 1  # + output projection
-    assert count_packed(packed) == expected and count_packed(plain) == 0 and layers > 0
-    backends = [m.backend for m in packed.modules() if isinstance(m, PackedLinear)]
-    assert backends.count(step_backend) >= 6 * plain.cfg.num_decoder_layers + 1
-    with torch.no_grad():
-        want = plain(src, tgt)
-        scale = want.abs().max()
-        assert (packed(src, tgt) - want).abs().max() <= 1e-5 * scale
-        enc, src_pad = packed.encode(src, skip_padding=True)
-        from admin_ds.model.layers import IncrementalState
-
-        state = IncrementalState()
-        steps = torch.cat([packed.decode(tgt[:, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
-        assert (steps - want).abs().max() <= 1e-5 * scale
-        # One sentence: every product of a step has one row and takes the plain weight (F.linear).
-        one_row = [m for m in packed.modules() if isinstance(m, PackedLinear) and m.weight is not None]
-        assert len(one_row) == 6 * plain.cfg.num_decoder_layers + 1
-        want1 = plain(src[:1], tgt[:1])
-        enc, src_pad = packed.encode(src[:1], skip_padding=True)
-        state = IncrementalState()
-        steps = torch.cat([packed.decode(tgt[:1, t:t + 1], enc, src_pad, state) for t in range(tgt.size(1))], 1)
-        assert (steps - want1).abs().max() <= 1e-5 * want1.abs().max()
-
-
-@needs_onednn
-@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
-@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", "AuthenticAMD without AVX-512"])
-def test_packed_linear_takes_the_plain_weight_for_few_rows_and_oneDNN_for_more(activation, vendor, monkeypatch):
-    """A decoder-step product (few_rows=True) packed for oneDNN multiplies with F.linear, on an
-    Intel CPU, up to 8 rows by a weight of at most 1 MiB and one row by a larger weight; on an AMD
-    CPU with AVX-512, up to 8 rows by a weight of at most 256 KiB and no row by a larger one;
-    without AVX-512, also one row by a weight of at most 1 MiB, stored transposed where it has more
-    outputs than inputs. Other row counts go through oneDNN's packed weight. Each path, and the
-    weight that keeps no plain copy, computes activation(x W^T + b) as F.linear on the original
-    weight does."""
-    from admin_ds.inference import packed
-    from admin_ds.inference.packed import PackedLinear
-
-    monkeypatch.setattr(packed, "_cpu_vendor", lambda: vendor.split()[0])
-    monkeypatch.setattr(packed, "_cpu_has_avx512", lambda: "without" not in vendor)
-    calls = []
-    onednn = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or onednn(*a))
-    act = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu}[activation]
-    torch.manual_seed(0)
-
-    def weight(out_f, in_f):
-        return torch.randn(out_f, in_f) / 16, torch.randn(out_f)
-
-    # (weight, few_rows, rows through the plain or transposed weight, rows through oneDNN, transposed)
-    tall = weight(1024, 256)  # 1 MiB, more outputs than inputs
-    if vendor == "GenuineIntel":
-        small, large = weight(512, 512), weight(520, 512)  # exactly 1 MiB, and just over
-        cases = [(small, True, [1, 2, 8], [9, 64], False), (large, True, [1], [2, 8, 64], False),
-                 (small, False, [], [1, 8, 64], False), (tall, True, [1, 2, 8], [9, 64], False)]
-    else:
-        small, large = weight(128, 512), weight(130, 512)  # exactly 256 KiB, and just over
-        cases = [(small, True, [1, 2, 8], [9, 64], False), (large, True, [], [1, 2, 8, 64], False),
-                 (small, False, [], [1, 8, 64], False), (tall, True, [], [1, 2, 64], False)]
-        if "without" in vendor:
-            mib, over = weight(512, 512), weight(520, 512)  # exactly 1 MiB, and just over
-            cases[1] = (large, True, [1], [2, 8, 64], False)
-            cases[3] = (tall, True, [1], [2, 8, 64], True)
-            cases += [(mib, True, [1], [2, 8, 64], False), (over, True, [], [1, 2, 64], False),
-                      (weight(1028, 256), True, [], [1, 2, 64], False)]  # tall, just over 1 MiB
-    for (w, b), few_rows, plain_rows, onednn_rows, transposed in cases:
-        layer = PackedLinear(w, b, activation, few_rows=few_rows, backend="onednn")
-        assert (layer.weight_t is not None) == transposed, w.shape
-        # a plain (or transposed) copy only where it is used
-        assert (layer.weight is not None) == (bool(plain_rows) and not transposed), w.shape
-        for rows in plain_rows + onednn_rows:
-            x = torch.randn(rows, w.size(1))
-            calls.clear()
-            got = layer(x.view(rows, 1, -1)).view(rows, -1)  # 3-D input, as the model passes it
-            assert calls == ([] if rows in plain_rows else [rows]), (w.shape, few_rows, rows)
-            want = act(F.linear(x, w, b))
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (w.shape, few_rows, rows)
-
-
-@pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
-def test_packed_linear_on_mkl_takes_the_plain_weight_for_one_row_and_the_packed_gemm_for_more(activation,
-                                                                                           monkeypatch):
-    """Packed for MKL (a decoder step's products on Intel CPUs), one row goes through F.linear and
-    any other count, below, at and above the row count the weight was packed for, through MKL's
-    packed GEMM; each computes activation(x W^T + b) as float64 arithmetic does."""
-    from admin_ds.inference.packed import _MKL_ROWS_HINT, PackedLinear
-
-    require_mkl_packed()
-    calls = []
-    mkl = torch.ops.mkl._mkl_linear
-    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[0].shape[0]) or mkl(*a))
-    act = {"none": lambda y: y, "relu": F.relu, "gelu": F.gelu}[activation]
-    torch.manual_seed(0)
-    for out_f, in_f in ((512, 512), (300, 70)):
-        w, b = torch.randn(out_f, in_f) / 16, torch.randn(out_f)
-        layer = PackedLinear(w, b, activation, few_rows=True, backend="mkl")
-        assert layer.backend == "mkl" and layer.weight is not None
-        for rows in (1, 2, 7, _MKL_ROWS_HINT - 1, _MKL_ROWS_HINT, _MKL_ROWS_HINT + 3, 700):
-            x = torch.randn(rows, in_f)
-            calls.clear()
-            got = layer(x.view(rows, 1, in_f)).view(rows, -1)
-            assert calls == ([] if rows == 1 else [rows]), (w.shape, rows)
-            want = act(F.linear(x.double(), w.double(), b.double()))
-            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), (w.shape, rows)
-
-
-def test_packed_backend_choice(monkeypatch):
-    """ADMIN_DS_PACKED_LINEAR picks a step's backend (mkl only where MKL's packed GEMM works; by
-    default on Intel CPUs only); a value it does not know is refused, naming the variable."""
-    from admin_ds.inference import packed
-
-    assert packed._mkl_packed_works() == packed.mkl_packed_available()  # the self-check passes where the ops exist
-    mkl = "mkl" if packed.mkl_packed_available() else "onednn"
-    for vendor, choice, want in (("GenuineIntel", "", mkl), ("AuthenticAMD", "", "onednn"),
-                                 ("AuthenticAMD", "mkl", mkl), ("GenuineIntel", "onednn", "onednn")):
-        monkeypatch.setattr(packed, "_cpu_vendor", lambda v=vendor: v)
-        monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", choice)
-        assert packed._step_backend() == want, (vendor, choice)
-    monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", "fast")
-    with pytest.raises(ValueError, match="ADMIN_DS_PACKED_LINEAR='fast'"):
-        packed.optimize_for_decoding(tiny_model_and_batch(dict(init="default"))[0])
-
-
-@needs_onednn
-def test_packed_model_translates_like_the_plain_model(copy_models, step_backend):
-    """Greedy, beam (n-best with scores) and translate on the half-trained copy model (hypotheses
-    of varied lengths and uncertain tokens): the same outputs with and without packed weights."""
-    plain = copy_models.half
-    packed = packed_copy(plain)
-    assert count_packed(packed) > 0
-    kw = dict(max_len_a=1.0, max_len_b=3)
-    assert_same_searches(packed, plain, sources(11, 24)[0], **kw)
-    tok = IntTokenizer()
-    lines = [" ".join(map(str, s[:-1])) for s in sources(12, 30)[1]]
-    assert translate(packed, tok, lines, max_tokens=40, **kw) == translate(plain, tok, lines, max_tokens=40, **kw)
-
-
-def test_inference_rewrite_leaves_other_models_alone(copy_models, monkeypatch):
-    """bf16 (or a GPU) and ADMIN_DS_PACKED_LINEAR=0 keep the plain model; the model is in eval mode."""
-    bf16 = copy.deepcopy(copy_models.full).to(torch.bfloat16).train()
-    out = packed_copy(bf16)
-    assert count_packed(out) == 0 and not out.training
-    monkeypatch.setenv("ADMIN_DS_PACKED_LINEAR", "0")
-    assert count_packed(packed_copy(copy_models.full)) == 0
-
-
-# ---- 8b. the flat decoder step (admin_ds/inference/step.py) -------------------------------------
-
-
-def stepwise_logits(model, step, src, tgt, beams, like_beam_search=False):
+def stepwise_logits(model, step, src, tgt, beams):
     """Logits (R, T, V) of ``tgt`` (R = beams x sentences, each sentence's rows adjacent) decoded
     position by position through ``step``, with a beam-search-like reorder of the cached rows
-    after every position (rows of a sentence swapped among themselves). ``like_beam_search``: the
-    first position as beam search runs it, one row per sentence (``tgt``'s first column must be
-    the same in a sentence's rows) whose cache rows the reorder then spreads over its beams, and the
-    state made as beam search makes it (a compiled step keeps the caches in place)."""
+    after every position (rows of a sentence swapped among themselves)."""
     from admin_ds.model.layers import IncrementalState
 
     enc, src_pad = model.encode(src, skip_padding=True)
     # capacity 2: the cache grows while decoding
-    state, out = IncrementalState(capacity=2, reorders_every_step=like_beam_search), []
-    rows = tgt.size(0)
-    swap = torch.arange(rows).view(-1, beams).flip(1).reshape(-1)
+    state, out = IncrementalState(capacity=2), []
+    swap = torch.arange(tgt.size(0)).view(-1, beams).flip(1).reshape(-1)
     for t in range(tgt.size(1)):
-        if t == 0 and like_beam_search:
-            spread = torch.arange(rows // beams).repeat_interleave(beams)
-            assert torch.equal(tgt[:, 0], tgt[::beams, 0].index_select(0, spread))
-            out.append(step(tgt[::beams, :1], enc, src_pad, state).index_select(0, spread))
-            state.reorder(spread.index_select(0, swap))
-        else:
-            out.append(step(tgt[:, t:t + 1], enc, src_pad, state))
-            state.reorder(swap)
+        out.append(step(tgt[:, t:t + 1], enc, src_pad, state))
+        state.reorder(swap)
         tgt = tgt.index_select(0, swap)
         out = [o.index_select(0, swap) for o in out]
     return torch.stack(out, 1)
@@ -774,14 +559,14 @@ def stepwise_logits(model, step, src, tgt, beams, like_beam_search=False):
                                 dict(activation="gelu", init="deepnorm"), dict(init="t-fixup"),
                                 dict(share_all_embeddings=False, share_decoder_input_output_embed=False,
                                      norm_order="pre", init="default")])
-@pytest.mark.parametrize("rewrite", ["plain", pytest.param("fp32", marks=needs_onednn), "int8"])
+@pytest.mark.parametrize("rewrite", ["plain", "int8"])
 def test_decoder_step_computes_what_model_decode_computes(kw, rewrite):
     """The flat step against the modules' incremental path (model.decode, itself checked against
     the full forward in test_model.py): every residual kind (omega, DeepNorm's alpha, plain), no
     LayerNorm (T-Fixup), Pre-LN with its final norm, a folded model's embedding scale, GELU; on
-    the plain model, with packed weights and in int8; three beams per sentence over sources of
+    the plain model and in int8; three beams per sentence over sources of
     mixed lengths (padding masked), reordered between steps, the cache grown twice."""
-    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.int8 import quantize_for_decoding
     from admin_ds.inference.step import DecoderStep, decoder_step
     from admin_ds.model.fold import fold_omega
 
@@ -795,8 +580,8 @@ def test_decoder_step_computes_what_model_decode_computes(kw, rewrite):
             r.set_omega(1.0 + 0.5 * torch.rand(r.omega.shape, generator=torch.Generator().manual_seed(r.index)))
         model = fold_omega(model)
         assert model.cfg.embedding_output_scale
-    if rewrite != "plain":
-        model = optimize_for_decoding(model, rewrite)
+    if rewrite == "int8":
+        model = quantize_for_decoding(model)
     step = decoder_step(model)
     assert isinstance(step, DecoderStep)
     beams = 3
@@ -808,7 +593,7 @@ def test_decoder_step_computes_what_model_decode_computes(kw, rewrite):
         got = stepwise_logits(model, step, src, tgt, beams)
     assert_same_step_logits(got, want, int8=rewrite == "int8")
     one = [stepwise_logits(model, f, src[:1], tgt[:1], 1) for f in (step, lambda *a: model.decode(*a)[:, -1])]
-    assert_same_step_logits(*one, int8=rewrite == "int8")  # one row: the F.linear path
+    assert_same_step_logits(*one, int8=rewrite == "int8")  # one row
 
 
 def assert_same_step_logits(got: torch.Tensor, want: torch.Tensor, int8: bool) -> None:
@@ -857,495 +642,18 @@ def test_searches_through_the_flat_step_equal_searches_through_the_modules(copy_
     assert sample(model, src, seed=3, **kw) == sample(modules, src, seed=3, **kw)
 
 
-needs_cpp_compiler = pytest.mark.skipif(
-    not any(map(shutil.which, ("g++", "c++", "clang++"))),
-    reason="torch.compile's CPU code generation needs a C++ compiler")
-
-
-@needs_cpp_compiler
-def test_compiled_decoder_step_computes_what_model_decode_computes(monkeypatch):
-    """translate.py --compile: the decoder step as graphs compiled by torch.compile (generated C++
-    products over weights frozen in at compile time; the cache grown outside the graph; sizes
-    marked symbolic) against model.decode on an Admin model: logits of three beams per sentence,
-    reordered between steps, over sources of mixed lengths, the cache grown from 2 positions, the
-    first position one row a sentence and the caches kept in place, as beam search runs them (the
-    reference's reorders copy; the beam searches below reuse two of these graphs); then
-    beam search (sentences finishing and leaving the batch; its choices between steps compiled
-    while one sentence is left) against the flat step's, with its scores, on a batch of two
-    sentences and one of eight: steps of few rows and of many, and encoders of few source tokens
-    and of many, each sent to its own kind (all four must run). Every position runs compiled, the
-    first ones included; the logits read encoder keys and values cached eagerly by the step, beam
-    search those of the compiled encoder. Compiling takes one to two
-    minutes here; it is done once. (Greedy, one hypothesis per sentence, is two more graphs, a
-    minute more: bench/decode.py --compile checks its output.)
-
-    The products are ATen's, not autotuned: choosing between them and inductor's C++ matrix-product
-    kernels compiles and times every candidate kernel, over two more minutes on a 2-core machine
-    for the graph semantics checked here, which do not depend on the product's kernel.
-    bench/decode.py --compile runs the autotuned step and reports how many of its outputs equal the
-    uncompiled step's."""
-    from torch._dynamo.utils import counters
-
-    from admin_ds.inference import step as step_module
-    from admin_ds.inference.packed import optimize_for_decoding
-    from admin_ds.inference.step import CompiledDecoderStep, DecoderStep, decoder_step
-
-    monkeypatch.setitem(step_module.COMPILE_OPTIONS, "max_autotune", False)
-
-    model, src, _ = tiny_model_and_batch(dict(init="admin"))
-    flat = packed_copy(model)
-    compiled = optimize_for_decoding(model, "fp32", compile_step=True)
-    step = decoder_step(compiled)
-    assert isinstance(step, CompiledDecoderStep) and type(decoder_step(flat)) is DecoderStep
-    assert not any(p.requires_grad for p in compiled.parameters())  # frozen in only without gradients
-    graphs = counters["stats"]["unique_graphs"]
-    beams, src = 3, src[:4]
-    assert bool(src.eq(PAD).any())
-    tgt = torch.cat([torch.full((4 * beams, 1), EOS), torch.randint(4, 1000, (4 * beams, 7))], dim=1)
-    with torch.inference_mode():
-        want = stepwise_logits(flat, lambda *a: flat.decode(*a)[:, -1], src, tgt, beams, like_beam_search=True)
-        got = stepwise_logits(compiled, step, src, tgt, beams, like_beam_search=True)
-    assert counters["stats"]["unique_graphs"] > graphs  # compiled, not run eagerly
-    assert_same_step_logits(got, want, int8=False)
-
-    # Few rows and many, few source tokens and many, run in graphs of their own: two sentences (at
-    # most 16 tokens; 2 rows at the first step, then 8) and eight (32 rows).
-    ran = []
-    frozen = step_module._frozen
-    monkeypatch.setattr(step_module, "_frozen", lambda compiled, *args, **kw: ran.append(compiled) or frozen(compiled, *args, **kw))
-    monkeypatch.setattr(step, "few_rows", 4)
-    monkeypatch.setattr(step, "few_tokens", 16)
-    # With autotuning off the graphs of few and many compile with the same options, and their sizes
-    # are symbolic: the many-row kinds run the few-row graphs through wrappers of their own, so the
-    # routing is checked without compiling the same graphs twice (over a minute here).
-    monkeypatch.setattr(step, "_compiled_many", lambda *args: step._compiled(*args))
-    monkeypatch.setattr(step, "_compiled_encoder_many", lambda *args: step._compiled_encoder(*args))
-    many, _ = sources(21, 10)
-    assert int(many[:2].ne(PAD).sum()) <= 16 < int(many[2:].ne(PAD).sum())
-    kw = dict(max_len_a=1.0, max_len_b=2)
-    for batch in (many[:2], many[2:]):
-        got, want = (beam_search(m, batch, beam=4, nbest=2, **kw) for m in (compiled, flat))
-        assert [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in want]
-        assert [h.score for n in got for h in n] == pytest.approx([h.score for n in want for h in n], abs=1e-5)
-    kinds = (step._compiled, step._compiled_many, step._compiled_encoder, step._compiled_encoder_many)
-    assert [any(kind is c for c in ran) for kind in kinds] == [True] * 4
-    # Beam search's choices ran compiled as well, once one sentence was left (the flat step's: eagerly).
-    from admin_ds.inference import decode as decode_module
-    assert list(step._searches) == [decode_module._beam_choices]
-    assert any(c is step._searches[decode_module._beam_choices] for c in ran)
-
-    # Every graph guards on its arguments alone (step._argument_guards), the encoder's too: a model
-    # setting that the encoder reads (dropout, off in eval mode) makes no new graph.
-    graphs = counters["stats"]["unique_graphs"]
-    monkeypatch.setattr(compiled.cfg, "dropout_p", compiled.cfg.dropout_p + 0.1)
-    beam_search(compiled, many[:2], beam=4, nbest=2, **kw)
-    assert counters["stats"]["unique_graphs"] == graphs
-
-
-def test_compiled_step_of_few_rows_takes_generated_products_without_a_benchmark():
-    """The compiled step's graphs of few rows multiply with inductor's generated C++ kernels wherever
-    its template applies, chosen without timing them against ATen's (a benchmark on a busy machine
-    can pick the slower one, and inductor would keep that choice on disk): autotuning on, as
-    translate.py --compile runs, no benchmark runs while the step's graphs compile, no product of a
-    step is a library call, and the logits are model.decode's. The encoder runs eagerly here, so
-    that only the step compiles."""
-    from torch._dynamo.utils import counters
-    from torch.profiler import profile
-
-    from admin_ds.inference.packed import optimize_for_decoding
-    from admin_ds.inference.step import CompiledDecoderStep, decoder_step
-    from admin_ds.model.layers import IncrementalState
-
-    model, src, tgt = tiny_model_and_batch(dict(init="admin"))
-    src, tgt = src[:1], tgt[:1]
-    compiled = optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True)
-    step = decoder_step(compiled)
-    assert isinstance(step, CompiledDecoderStep) and tgt.size(0) <= step.template_rows
-    benchmarks = counters["inductor"]["select_algorithm_autotune"]
-    last = tgt.size(1) - 1  # every graph is compiled by then: its step is profiled
-    with torch.inference_mode():
-        enc, src_pad = model.encode(src, skip_padding=True)
-        state, want_state = IncrementalState(capacity=tgt.size(1) + 2), IncrementalState(capacity=2)
-        got, want = [], []
-        for t in range(tgt.size(1)):
-            with profile() if t == last else contextlib.nullcontext() as prof:
-                got.append(step(tgt[:, t:t + 1], enc, src_pad, state))
-            want.append(model.decode(tgt[:, t:t + 1], enc, src_pad, want_state)[:, -1])
-    assert counters["inductor"]["select_algorithm_autotune"] == benchmarks
-    library = [e.key for e in prof.key_averages() if "linear" in e.key or e.key in ("aten::addmm", "aten::mm")]
-    assert library == []
-    assert_same_step_logits(torch.stack(got, 1), torch.stack(want, 1), int8=False)
-
-
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_compiled_decoder_step_refused_off_cpu_fp32(copy_models, precision):
-    """A compiled step decodes on the CPU from float32 weights: a bf16 model is refused with the
-    reason, before anything is compiled."""
-    from admin_ds.inference.packed import optimize_for_decoding
-
-    with pytest.raises(ValueError, match="from a float32 model, not cpu bfloat16"):
-        optimize_for_decoding(copy.deepcopy(copy_models.half).to(torch.bfloat16), precision, compile_step=True)
-
-
-def test_compilation_seconds_grows_when_something_compiles():
-    """translate.py --compile reports how much of its time went to compiling
-    (step.compilation_seconds, read from torch.compile's own record): it must grow when a function
-    is compiled, and stay where it was when the compiled function runs again."""
-    from admin_ds.inference.step import compilation_seconds
-
-    def twice_plus_one(x):
-        return x * 2 + 1
-
-    before = compilation_seconds()
-    f = torch.compile(twice_plus_one, backend="eager")
-    assert torch.equal(f(torch.arange(3.0)), torch.tensor([1.0, 3.0, 5.0]))
-    after = compilation_seconds()
-    assert after > before
-    f(torch.arange(3.0))
-    assert compilation_seconds() == after
-
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"),
-                    reason="pages are handed back on Linux only (madvise), and counted in its /proc/self/smaps")
-def test_the_pages_a_package_was_loaded_from_are_handed_back(tmp_path):
-    """packages._release_pages, called once a package is loaded: the pages of a file under the
-    package's directory that the process maps read-only (its library, whose weights loading copied
-    out) leave the resident set as /proc/self/smaps counts it; a file mapped from elsewhere keeps
-    its pages; both read back unchanged. On a kernel without MADV_PAGEOUT (before Linux 5.4, as
-    asked of an anonymous page of the test's own) nothing is released and nothing breaks."""
-    import ctypes
-    import mmap
-
-    from admin_ds.inference.packages import _release_pages
-
-    def resident(path: Path) -> int:
-        total, inside = 0, False
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                fields = line.split()
-                if "-" in fields[0] and len(fields) >= 5 and fields[0][0] in "0123456789abcdef":
-                    inside = len(fields) >= 6 and fields[5] == str(path)
-                elif inside and fields[0] == "Rss:":
-                    total += int(fields[1]) * 1024
-        return total
-
-    data = os.urandom(4 << 20)
-    mapped = {}
-    for name in ("package", "elsewhere"):
-        path = tmp_path / name / "library.so"
-        path.parent.mkdir()
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # clean pages, as a library's are once written back
-        with open(path, "rb") as f:
-            mapped[name] = path, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-        assert mapped[name][1][:] == data and resident(path) >= 3 << 20  # read: resident
-    released = _release_pages(os.path.realpath(tmp_path / "package"))
-
-    probe = mmap.mmap(-1, mmap.PAGESIZE)
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if madvise(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, 21) == 0:
-        assert released == len(data) and resident(mapped["package"][0]) < 1 << 20
-    else:  # this kernel keeps the pages
-        assert released == 0 and resident(mapped["package"][0]) >= 3 << 20
-    assert resident(mapped["elsewhere"][0]) >= 3 << 20
-    assert all(m[:] == data for _, m in mapped.values())
-    for _, m in mapped.values():
-        m.close()
-
-
-def test_packages_are_named_for_the_cpu_they_were_built_on(monkeypatch, tmp_path):
-    """A graphs directory in a home that machines of several kinds share (a cluster's partitions):
-    a package's name covers the CPU's instruction-set flags, its vendor and oneDNN's limit, so that
-    another kind of CPU builds its own packages instead of loading code compiled for instructions
-    it may lack. The same CPU names them alike (a later process loads them)."""
-    from admin_ds.inference import packages, packed
-    from admin_ds.inference.step import compile_decoder_step
-
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    model, _, _ = tiny_model_and_batch(dict(init="admin"))
-    step = compile_decoder_step(model, compiled_dir=tmp_path / "graphs")
-    here = step.packages.key
-    assert packages._digest(step) == here
-    info = dict(packed._cpuinfo())
-    flags = info.get("flags", "avx2 fma").split()
-    others = [{**info, "flags": " ".join(flags + ["amx_tile"])},  # one instruction set more
-              {**info, "flags": " ".join(flags[:-1])},  # one fewer
-              {**info, "vendor_id": "GenuineIntel" if info.get("vendor_id") != "GenuineIntel" else "AuthenticAMD"}]
-    for other in others:
-        monkeypatch.setattr(packed, "_cpuinfo", lambda other=other: other)
-        assert packages._digest(step) != here, other
-    monkeypatch.setattr(packed, "_cpuinfo", lambda: {**info, "flags": " ".join(reversed(flags))})
-    assert packages._digest(step) == here  # the flags as a set
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert packages._digest(step) != here
-
-
-@needs_cpp_compiler
-def test_compiled_graphs_kept_on_disk_are_loaded_by_the_next_process(tmp_path, monkeypatch):
-    """translate.py --compile --compiled-dir: the step's and the encoder's graphs exported and
-    compiled ahead of time into packages on disk (packages.py). Greedy and beam search over two
-    sentences, and beam search over one (greedy's caches one a row, beam search's kept in place,
-    one buffer row at one sentence's first step) give the flat step's tokens and scores, every step
-    and encoder call and beam search's choices at one sentence running from a package, none through
-    torch.compile's graphs; a package refuses inputs of other sizes than it was compiled for; a second model, as a later process makes
-    it, loads every package and builds none, with the same results; a package that does not load
-    (a truncated file) is built again; other weights are other packages. Products are ATen's, not
-    autotuned, as in the test above (minutes less here)."""
-    from admin_ds.inference import step as step_module
-    from admin_ds.inference.packages import GraphPackages
-    from admin_ds.inference.packed import optimize_for_decoding
-
-    monkeypatch.setitem(step_module.COMPILE_OPTIONS, "max_autotune", False)
-    temporary = tmp_path / "tmp"  # where the loader extracts a package's library
-    temporary.mkdir()
-    monkeypatch.setenv("TMPDIR", str(temporary))
-    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
-    model, _, _ = tiny_model_and_batch(dict(init="admin"))
-    flat = packed_copy(model)
-    src, _ = sources(21, 2)
-    assert bool(src.eq(PAD).any())
-    kw = dict(max_len_a=1.0, max_len_b=3)
-    want = greedy(flat, src, **kw), beam_search(flat, src, beam=4, nbest=2, **kw) + beam_search(flat, src[:1], beam=4, nbest=2, **kw)
-    compiled_graphs = []  # torch.compile's step and encoder graphs that ran
-    frozen = step_module._frozen
-
-    def record(compiled, *args, **kw):
-        step = compiled_graphs_of.get(id(compiled))
-        if step is not None:
-            compiled_graphs.append(step)
-        return frozen(compiled, *args, **kw)
-
-    monkeypatch.setattr(step_module, "_frozen", record)
-    compiled_graphs_of = {}
-
-    def searched(directory):
-        m = optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=directory)
-        step = m.compiled_decoder_step
-        for name in ("_compiled", "_compiled_many", "_compiled_encoder", "_compiled_encoder_many"):
-            compiled_graphs_of[id(getattr(step, name))] = name
-        beams = beam_search(m, src, beam=4, nbest=2, **kw) + beam_search(m, src[:1], beam=4, nbest=2, **kw)
-        return (greedy(m, src, **kw), beams), step.packages
-
-    def assert_same(got):
-        assert got[0] == want[0]
-        assert [[h.tokens for h in n] for n in got[1]] == [[h.tokens for h in n] for n in want[1]]
-        assert [h.score for n in got[1] for h in n] == pytest.approx([h.score for n in want[1] for h in n], abs=1e-5)
-
-    calls = {}  # kind -> the arguments of its first call
-    run = GraphPackages._run
-
-    def recorded(self, kind, package, *args):
-        calls.setdefault(kind, args)
-        return run(self, kind, package, *args)
-
-    monkeypatch.setattr(GraphPackages, "_run", recorded)
-    got, packages = searched(tmp_path / "graphs")
-    assert_same(got)
-    assert compiled_graphs == [] and packages.step._searches == {}
-    kinds = {"encoder-few", "step-few-first-per1", "step-few-later-per1",
-             "step-few-first-per1-in-place", "step-few-later-per4-in-place", "step-few-first-per1-in-place-one-row"}
-    searches = {k for k in packages.built if k.startswith("search-beam_choices-")}
-    assert len(searches) >= 2  # one sentence's first step (one row) and its later ones
-    assert set(packages.built) == set(packages.loaded) == kinds | searches
-    assert stat.S_IMODE((tmp_path / "graphs").stat().st_mode) == 0o700
-    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "graphs").glob("*.pt2")} == {0o600}
-    assert not list((tmp_path / "graphs").glob(".*.lock"))  # removed once their packages were in place
-    # The loaded packages' libraries, extracted under $TMPDIR, were removed once loaded (they run
-    # mapped): a process killed now leaves nothing there.
-    assert not [p.name for p in temporary.iterdir() if p.name.startswith(("aotinductor_", "admin_ds_package_"))]
-
-    # A package reads its inputs as the sizes it was compiled for say: one that does not match
-    # (the one-row step's mask, whose rows are fixed at the heads of one sentence, with two
-    # sentences' rows) is refused before anything is computed, and the kind falls back.
-    one_row = "step-few-first-per1-in-place-one-row"
-    args = list(calls[one_row])
-    assert run(packages, one_row, packages._loaded[one_row], *args) is not None
-    args[-1] = torch.cat([args[-1], args[-1]])
-    assert run(packages, one_row, packages._loaded[one_row], *args) is None and one_row not in packages.loaded
-
-    got, again = searched(tmp_path / "graphs")
-    assert_same(got)
-    assert compiled_graphs == [] and again.step._searches == {}
-    assert again.built == [] and set(again.loaded) == kinds | searches and again.key == packages.key
-
-    again.path("encoder-few").write_bytes(again.path("encoder-few").read_bytes()[:1000])
-    got, rebuilt = searched(tmp_path / "graphs")
-    assert_same(got)
-    assert rebuilt.built == ["encoder-few"] and set(rebuilt.loaded) == kinds | searches
-
-    # Steps of more rows than template_rows (lowered to 1 here) up to few_rows are kinds of their own,
-    # exported at few_rows rows (16 sentences at one row each, 4 at four) and valid down to
-    # template_rows + 1: greedy's steps and beam search's over two sentences run there.
-    # (Lowered after the packages are named, so that the other kinds load instead of building again.)
-    m = optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=tmp_path / "graphs")
-    m.compiled_decoder_step.template_rows = 1
-    assert greedy(m, src, **kw) == want[0]
-    beams = beam_search(m, src, beam=4, nbest=2, **kw)
-    assert [[h.tokens for h in n] for n in beams] == [[h.tokens for h in n] for n in want[1][:2]]
-    some = m.compiled_decoder_step.packages
-    assert compiled_graphs == [] and some.key == packages.key
-    assert set(some.built) == {"step-some-first-per1", "step-some-later-per1", "step-some-first-per1-in-place",
-                               "step-some-later-per4-in-place"}
-
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        other.decoder_layers[0].ffn.fc1.weight[0, 0] += 1e-3
-    other_step = optimize_for_decoding(other, "fp32", compile_step=True, compiled_dir=tmp_path / "graphs").compiled_decoder_step
-    assert isinstance(other_step.packages, GraphPackages) and other_step.packages.key != packages.key
-
-
-def test_compiled_graphs_directory_must_be_the_users_own(tmp_path):
-    """A package is a shared library that the process runs: a directory others may write to is
-    refused with its name and mode, before anything is compiled or loaded; so is a file."""
-    from admin_ds.inference.packed import optimize_for_decoding
-
-    model, _, _ = tiny_model_and_batch(dict(init="admin"))
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)
-    with pytest.raises(ValueError, match=rf"{shared}: writable by others \(mode 777\)"):
-        optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=shared)
-    (tmp_path / "file").write_text("x")
-    with pytest.raises(ValueError, match="not a directory|File exists"):
-        optimize_for_decoding(copy.deepcopy(model), "fp32", compile_step=True, compiled_dir=tmp_path / "file")
-    with pytest.raises(ValueError, match="compiled fp32 step only"):
-        optimize_for_decoding(copy.deepcopy(model), "int8", compile_step=True, compiled_dir=tmp_path / "graphs")
-
-
-_BUILD_WHEN_TOLD = """
-import json, sys, time
-from pathlib import Path
-import torch
-from admin_ds.inference import step as step_module
-from admin_ds.inference.decode import greedy
-from admin_ds.inference.packed import optimize_for_decoding
-from admin_ds.model import build_model
-from admin_ds.presets import get_preset
-step_module.COMPILE_OPTIONS["max_autotune"] = False
-directory, ready, go = map(Path, sys.argv[1:])
-torch.manual_seed(0)
-model = build_model(get_preset("debug-tiny", vocab_size=1000, dropout_p=0.0, attention_dropout_p=0.0,
-                               activation_dropout_p=0.0)).eval()
-model = optimize_for_decoding(model, "fp32", compile_step=True, compiled_dir=directory)
-src = torch.tensor([[5, 6, 7, 8, model.cfg.eos_idx], [9, 10, model.cfg.eos_idx, model.cfg.pad_idx, model.cfg.pad_idx]])
-ready.touch()
-deadline = time.monotonic() + 900
-while not go.exists():
-    assert time.monotonic() < deadline, "never told to start"
-    time.sleep(0.05)
-out = greedy(model, src, max_len_a=1.0, max_len_b=3)
-packages = model.compiled_decoder_step.packages
-print("RESULT", json.dumps({"out": out, "built": packages.built, "loaded": packages.loaded}))
-"""
-
-
-@needs_cpp_compiler
-def test_processes_that_need_a_missing_compiled_graph_at_once_build_it_once(tmp_path):
-    """Back-translation's ranks on one machine start together with an empty --compiled-dir: two
-    processes, released at the same moment (each has built its model and waits for a file), decode
-    the same batch. Each package must be built by one of them only, the other loading it, and
-    both must output the same tokens. (Without the lock each found every package missing and built
-    all of them.)"""
-    import json
-    import subprocess
-    import sys
-
-    repo, go = Path(__file__).resolve().parents[1], tmp_path / "go"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ready = [tmp_path / f"ready{i}" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_WHEN_TOLD, str(tmp_path / "graphs"), str(r), str(go)],
-                              cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in ready]
-    try:
-        deadline = time.monotonic() + 600
-        while not all(r.exists() for r in ready):
-            assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
-            assert time.monotonic() < deadline, "the processes did not get ready"
-            time.sleep(0.1)
-        go.touch()
-        done = [p.communicate(timeout=900) for p in procs]
-    finally:
-        for p in procs:
-            p.kill() if p.poll() is None else None
-    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in done]
-    first, second = (json.loads(out.split("RESULT ", 1)[1]) for out, _ in done)
-    assert first["out"] == second["out"]
-    built = first["built"] + second["built"]
-    kinds = {"encoder-few", "step-few-first-per1", "step-few-later-per1"}
-    assert sorted(built) == sorted(kinds), built  # each once, by either process
-    assert set(first["loaded"]) == set(second["loaded"]) == kinds
-
-# ---- 9. int8 decoding (translate.py --int8) -----------------------------------------------------
-
-
 def int8_copy(model):
-    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.int8 import quantize_for_decoding
 
-    return optimize_for_decoding(copy.deepcopy(model), "int8")
-
-
-@needs_cpp_compiler
-def test_int8_compiled_step_computes_what_the_int8_model_computes(monkeypatch):
-    """translate.py --int8 --compile: the int8 products (Int8Linear's quantized operator, which the
-    compiled graphs call by a key) with the operators between them compiled. Against model.decode of
-    the same int8 model (its modules eagerly): the logits of three beams per sentence over sources
-    of mixed lengths, reordered between steps, as beam search runs the compiled step; then beam
-    search over eight sentences (steps of many rows, the compiled encoder) against the eager int8
-    step's. Every product of the compiled model is int8 (no float weight is left to freeze in), and
-    the graphs called each kind of product through the operator."""
-    from torch._dynamo.utils import counters
-
-    from admin_ds.inference import packed
-    from admin_ds.inference import step as step_module
-    from admin_ds.inference.packed import optimize_for_decoding
-    from admin_ds.inference.step import CompiledDecoderStep, decoder_step
-
-    monkeypatch.setitem(step_module.COMPILE_OPTIONS, "max_autotune", False)  # as in the fp32 test above
-    model, src, _ = tiny_model_and_batch(dict(init="admin"))
-    eager = int8_copy(model)
-    compiled = optimize_for_decoding(model, "int8", compile_step=True)
-    step = decoder_step(compiled)
-    assert isinstance(step, CompiledDecoderStep)
-    assert count_linear(compiled)[1] == 0 and isinstance(step.encoder_kv, packed.Int8Linear)
-    called = collections.Counter()
-
-    class Counted(dict):
-        def __getitem__(self, key):
-            called[key] += 1
-            return super().__getitem__(key)
-
-    monkeypatch.setattr(packed, "_INT8_WEIGHTS", Counted(packed._INT8_WEIGHTS))
-    graphs = counters["stats"]["unique_graphs"]
-    beams, src = 3, src[:4]
-    tgt = torch.cat([torch.full((4 * beams, 1), EOS), torch.randint(4, 1000, (4 * beams, 6))], dim=1)
-    with torch.inference_mode():
-        want = stepwise_logits(compiled, lambda *a: compiled.decode(*a)[:, -1], src, tgt, beams)
-        got = stepwise_logits(compiled, step, src, tgt, beams, like_beam_search=True)
-    assert counters["stats"]["unique_graphs"] > graphs  # compiled, not run eagerly
-    assert_same_step_logits(got, want, int8=True)
-
-    many, _ = sources(21, 10)
-    kw = dict(max_len_a=1.0, max_len_b=2)
-    got, want = (beam_search(m, many, beam=4, **kw) for m in (compiled, eager))
-    same = sum(g[0].tokens == w[0].tokens for g, w in zip(got, want))
-    assert same >= 6, same  # int8 rounding may flip a near-tie of this untrained model
-    layer, encoder_layer = compiled.decoder_layers[0], compiled.encoder_layers[0]
-    products = (layer.self_attn.qkv_proj, layer.encoder_attn.q_proj, layer.ffn.fc1, layer.ffn.fc2,
-                compiled.output_proj, step.encoder_kv, encoder_layer.ffn.fc1)
-    assert all(called[p._key] for p in products), [called[p._key] for p in products]
+    return quantize_for_decoding(copy.deepcopy(model))
 
 
 def count_linear(model):
-    """(Int8Linear modules, float Linear-like modules left: nn.Linear or PackedLinear)."""
-    from admin_ds.inference.packed import Int8Linear, PackedLinear
+    """(Int8Linear modules, nn.Linear modules left)."""
+    from admin_ds.inference.int8 import Int8Linear
 
     mods = list(model.modules())
-    return (sum(isinstance(m, Int8Linear) for m in mods),
-            sum(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in mods))
+    return sum(isinstance(m, Int8Linear) for m in mods), sum(isinstance(m, torch.nn.Linear) for m in mods)
 
 
 def test_int8_linear_computes_the_dynamic_quantization_formula():
@@ -1353,7 +661,7 @@ def test_int8_linear_computes_the_dynamic_quantization_formula():
     max|row| / 127; input x_q = clamp(round(x / s) + z, 0, 255) with s = (max(x, 0) - min(x, 0)) / 255
     over the whole input, z = round(-min / s); y = s * s_w * (x_q - z) w_q^T + b. Also: the
     float product is a different thing (the rounding shows), so the check can fail."""
-    from admin_ds.inference.packed import Int8Linear
+    from admin_ds.inference.int8 import Int8Linear
 
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(48, 40, generator=g) * 0.2, torch.randn(48, generator=g)
@@ -1417,7 +725,7 @@ def test_int8_translates_like_fp32(copy_models):
 
 _INT8_WITHOUT_VNNI = """
 import torch
-from admin_ds.inference.packed import Int8Linear, _int8_engine, _int8_works, optimize_for_decoding
+from admin_ds.inference.int8 import Int8Linear, _int8_engine, _int8_works, quantize_for_decoding
 from admin_ds.model import build_model
 from admin_ds.presets import get_preset
 torch.manual_seed(0)
@@ -1429,7 +737,7 @@ src = torch.randint(4, 1000, (3, 9))
 tgt = torch.randint(4, 1000, (3, 7))
 with torch.no_grad():
     want = model(src, tgt)
-    q = optimize_for_decoding(model, "int8")
+    q = quantize_for_decoding(model)
     got = q(src, tgt)
 assert all(m.engine == engine[0] for m in q.modules() if isinstance(m, Int8Linear))
 err = float((got - want).abs().max() / (want.max() - want.min()))
@@ -1457,9 +765,7 @@ def test_int8_on_a_cpu_without_vnni_picks_an_engine_that_computes_right():
 
 
 def test_int8_refused_off_cpu_fp32(copy_models):
-    from admin_ds.inference.packed import optimize_for_decoding
+    from admin_ds.inference.int8 import quantize_for_decoding
 
-    with pytest.raises(ValueError, match="int8 decoding runs on the CPU from a float32 model"):
-        optimize_for_decoding(copy.deepcopy(copy_models.full).to(torch.bfloat16), "int8")
-    with pytest.raises(ValueError, match="unknown decoding precision 'int4'"):
-        optimize_for_decoding(copy.deepcopy(copy_models.full), "int4")
+    with pytest.raises(ValueError, match="int8 decoding runs on the CPU from a float32 model, not cpu bfloat16"):
+        quantize_for_decoding(copy.deepcopy(copy_models.full).to(torch.bfloat16))

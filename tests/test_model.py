@@ -174,37 +174,6 @@ def test_incremental_decoding_equals_full_forward(norm_order, init):
     assert torch.allclose(step, model(src[order], tgt[order, :4])[:, 3:4], atol=1e-5)
 
 
-def test_a_state_kept_in_place_reads_what_a_copying_reorder_leaves():
-    """IncrementalState.keep_in_place (the compiled decoder step): positions stay in the buffer rows
-    that wrote them and ``origins`` follows the reorders. Read through it, each row sees the keys and
-    values that the copying reorder leaves in the row itself, while rows grow (beam search's first
-    step), swap, repeat and shrink (sentences finish), and the capacity grows (keeping only the
-    buffer rows of the rows then: each row's positions gathered into its own)."""
-    torch.manual_seed(0)
-    copied, kept, key, rows = IncrementalState(capacity=2), IncrementalState(capacity=2), 7, 2
-    kept.keep_in_place()
-    orders = [[0, 0, 0, 1, 1, 1], [2, 0, 1, 5, 5, 3], [1, 1, 0, 4], [3, 0], [1, 1]]
-    for order in [None, *map(torch.tensor, orders)]:
-        if order is not None:
-            copied.reorder(order)
-            kept.reorder(order)
-            rows = order.numel()
-        k, v = torch.randn(2, rows, 2, 1, 3).unbind(0)  # (rows, H, 1, Dh)
-        want = copied.append(key, k, v)
-        (keys,), (values,) = kept.buffers((key,), k[:, :, :0], kept.length + 2)
-        origins, n = kept.step_origins(rows, k.device), kept.length
-        for buffer, new in ((keys, k), (values, v)):  # the step writes buffer rows 0 .. rows - 1
-            buffer[:rows, :, n:n + 1] = new
-        at, positions = origins[:, :n + 1], torch.arange(n + 1)
-        for buffer, w in zip((keys, values), want):
-            assert torch.equal(buffer[at, :, positions].transpose(1, 2), w)
-        copied.length += 1
-        kept.length += 1
-    assert keys.size(0) == 4 and keys.size(2) >= 6  # the capacity grew at 4 rows, to 4 buffer rows
-    with pytest.raises(RuntimeError, match="in place"):
-        kept.append(key, k, v)
-
-
 def test_a_reorder_that_moves_few_rows_copies_them_in_place():
     """IncrementalState.reorder copies only the rows that change when most stay (a row that takes
     another's positions while its own are taken by a third: the read must come first). Each step

@@ -178,9 +178,9 @@ def test_translate_matches_direct_call_and_fold(run_dir, input_file, lines, sing
     assert all(o == "" for o, line in zip(out, lines) if not line.strip())  # empty lines stay in place
     assert len(set(out)) > 5  # outputs differ between sentences, so their order is checked
     folded = ok(cli("translate.py", "--checkpoint", run_dir / "checkpoints/update_000040", "--input",
-                    input_file, "--fold", "--plain-linear", "--quiet")).splitlines()
-    assert folded == out  # folded and unpacked (F.linear) vs as trained and packed for oneDNN
-    model, subword = build_from_model_file(load_run_checkpoint(run_dir))  # plain, not packed
+                    input_file, "--fold", "--quiet")).splitlines()
+    assert folded == out  # folded vs as trained
+    model, subword = build_from_model_file(load_run_checkpoint(run_dir))
     direct = translate(model, subword, lines, beam=4, lenpen=0.6, max_len_a=1.2, max_len_b=10)
     assert direct == out
 
@@ -197,87 +197,6 @@ def test_translate_int8(run_dir, input_file, lines, single_rank_output):
     assert same >= 0.5 * sum(1 for line in lines if line.strip()), (same, len(lines))
     refused(cli("translate.py", "--checkpoint", run_dir, "--input", input_file, "--int8", "--dtype", "bf16"),
             "--int8")
-
-
-def test_translate_compiled_dir_refused_without_an_fp32_compile(run_dir, input_file, tmp_path):
-    """--compiled-dir keeps the graphs of --compile in fp32: without --compile, or with --int8, it
-    is refused with a one-line error before anything is loaded or made."""
-    for extra in ([], ["--compile", "--int8"]):
-        refused(cli("translate.py", "--checkpoint", run_dir, "--input", input_file, "--compiled-dir",
-                    tmp_path / "graphs", *extra), "--compiled-dir")
-    assert not (tmp_path / "graphs").exists()
-
-
-def test_an_fp32_compile_keeps_its_graphs_in_the_user_cache_unless_told_otherwise(tmp_path, monkeypatch, capsys):
-    """translate.py and backtranslate.py --compile (fp32) keep the graphs in $ADMIN_DS_COMPILED_DIR,
-    else $XDG_CACHE_HOME/admin_ds/compiled, else ~/.cache/admin_ds/compiled; --compiled-dir picks
-    another directory, --no-compiled-dir none; int8 and eager runs keep none."""
-    from data_prep import backtranslate
-
-    model, text = tmp_path / "model.pt", tmp_path / "in.txt"
-    model.write_bytes(b"")
-    text.write_text("a\n")
-    parsers = {"translate.py": (launch_module("translate").parse_args, ["--checkpoint", model, "--input", text]),
-               "backtranslate.py": (backtranslate.parse_args, ["--model", model, "--mono", text, "--out",
-                                                               tmp_path / "out", "--bitext", tmp_path])}
-    for name, (parse, required) in parsers.items():
-        def compiled_dir(*extra):
-            return parse([str(a) for a in (*required, *extra)]).compiled_dir
-
-        monkeypatch.delenv("ADMIN_DS_COMPILED_DIR", raising=False)
-        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-        monkeypatch.setenv("HOME", str(tmp_path / "home"))
-        assert compiled_dir("--compile") == tmp_path / "home" / ".cache" / "admin_ds" / "compiled", name
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-        assert compiled_dir("--compile") == tmp_path / "xdg" / "admin_ds" / "compiled", name
-        monkeypatch.setenv("ADMIN_DS_COMPILED_DIR", str(tmp_path / "graphs"))
-        assert compiled_dir("--compile") == tmp_path / "graphs", name
-        assert compiled_dir("--compile", "--compiled-dir", tmp_path / "mine") == tmp_path / "mine", name
-        for extra in ([], ["--compile", "--no-compiled-dir"], ["--compile", "--int8"]):
-            assert compiled_dir(*extra) is None, (name, extra)
-        with pytest.raises(SystemExit) as exit_:
-            compiled_dir("--compile", "--compiled-dir", tmp_path / "mine", "--no-compiled-dir")
-        err = capsys.readouterr().err
-        assert exit_.value.code == 2 and "--no-compiled-dir" in err.splitlines()[-1], (name, err)
-    assert not any(tmp_path.glob("**/compiled")) and not (tmp_path / "graphs").exists()  # parsing makes nothing
-
-
-def test_an_unusable_default_graphs_directory_falls_back_to_compiling_in_the_process(tmp_path, monkeypatch):
-    """A default graphs directory that cannot be used (here: its parent is a file; another one writable
-    by others) is dropped with a warning naming it and the way to choose one, and --compile compiles
-    in the process; a directory the user named (--compiled-dir, $ADMIN_DS_COMPILED_DIR) is kept, so
-    that loading the model stops on it. A usable default is made for this user alone."""
-    from admin_ds.arguments import settle_compiled_dir
-
-    model, text = tmp_path / "model.pt", tmp_path / "in.txt"
-    model.write_bytes(b"")
-    text.write_text("a\n")
-    parse = launch_module("translate").parse_args
-
-    def settled(*extra):
-        args = parse([str(a) for a in ("--checkpoint", model, "--input", text, "--compile", *extra)])
-        warning = settle_compiled_dir(args)
-        return args.compiled_dir, warning
-
-    monkeypatch.delenv("ADMIN_DS_COMPILED_DIR", raising=False)
-    (tmp_path / "file").write_text("")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
-    directory, warning = settled()
-    assert directory is None and str(tmp_path / "file" / "admin_ds" / "compiled") in warning, warning
-    assert warning.startswith("warning: ") and "--compiled-dir" in warning and "\n" not in warning
-    bad = tmp_path / "open" / "admin_ds" / "compiled"
-    bad.mkdir(parents=True)
-    bad.chmod(0o777)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "open"))
-    directory, warning = settled()
-    assert directory is None and "writable by others" in warning and str(bad) in warning, warning
-    assert settled("--compiled-dir", bad) == (bad, None)  # named: kept, and loading refuses it
-    monkeypatch.setenv("ADMIN_DS_COMPILED_DIR", str(bad))
-    assert settled() == (bad, None)
-    monkeypatch.delenv("ADMIN_DS_COMPILED_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "good"))
-    good = tmp_path / "good" / "admin_ds" / "compiled"
-    assert settled() == (good, None) and (good.stat().st_mode & 0o777) == 0o700
 
 
 def test_translate_nbest_from_stdin(run_dir, lines, single_rank_output):

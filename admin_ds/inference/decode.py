@@ -12,8 +12,7 @@ capped at ``model max_positions - 1``; at that length EOS is forced. Scores are 
 computed in float32 whatever the model's dtype.
 
 Each step runs through ``step.decoder_step`` (the same computation as ``model.decode`` in fewer
-operators). Where that is a compiled step (translate.py --compile), beam search's choices between
-two steps (``_beam_choices``) run compiled too. This file imports torch, model.py and step.py only.
+operators). This file imports torch, model.py and step.py only.
 """
 
 from __future__ import annotations
@@ -137,7 +136,7 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     torch's CPU top-k copies every element into a (value, index) pair and partially sorts them,
     ~1.6 ns an element: beam search's top 2 x beam over beam x vocabulary took ~10 ms a step at 64
-    sentences, beam 5, 40,000 subwords (bench/topk.py). Here the maxima of blocks of 64 elements
+    sentences, beam 5, 40,000 subwords. Here the maxima of blocks of 64 elements
     are compared first: the k blocks with the largest maxima hold the k largest values (a block
     left out has k blocks whose maxima are >= every element of it), so the top-k runs over those
     k blocks and the tail that fills no block. The values are torch.topk's, largest first; equal
@@ -158,14 +157,6 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if full < n:  # positions past the k blocks are the tail's
         idx = torch.where(j < k * _TOPK_BLOCK, idx, j - k * _TOPK_BLOCK + full)
     return values, idx
-
-
-def _encode(model, step: Callable, src: torch.Tensor, state: IncrementalState) -> tuple[torch.Tensor, torch.Tensor]:
-    """The encoder output and padding mask of ``src``, padding skipped: by the decoder step where
-    it has an encoder of its own (step.CompiledDecoderStep, which also caches the encoder keys and
-    values in ``state``), else by the model."""
-    encode = getattr(step, "encode", None)
-    return encode(src, state) if encode is not None else model.encode(src, skip_padding=True)
 
 
 def _prepare(model, src_tokens: torch.Tensor) -> torch.Tensor:
@@ -193,7 +184,7 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
     max_len, min_max_len = (int(v) for v in torch.stack([max_lens.max(), max_lens.min()]).tolist())
     state = IncrementalState(capacity=max_len + 1)
     step_logits = decoder_step(model)
-    enc, src_pad = _encode(model, step_logits, src, state)
+    enc, src_pad = model.encode(src, skip_padding=True)
     out = torch.full((B, max_len + 1), pad, dtype=torch.long, device=src.device)
     orig = torch.arange(B, device=src.device)
     cur = torch.full((B, 1), eos, dtype=torch.long, device=src.device)
@@ -223,7 +214,7 @@ def _one_best(model, src: torch.Tensor, choose: Callable[[torch.Tensor], torch.T
 def _largest(scores: torch.Tensor) -> torch.Tensor:
     """Each row's position of its largest value (N, V) -> (N,), the first of equal ones, as
     ``argmax`` gives it: torch.max's reduction over the rows, which takes about three quarters of
-    argmax's time on the CPU (1, 16 and 64 rows of 8,000 logits: 0.75-0.78x; bench/decode_parts.py)."""
+    argmax's time on the CPU (1, 16 and 64 rows of 8,000 logits: 0.75-0.78x)."""
     return scores.max(dim=-1).indices
 
 
@@ -309,10 +300,9 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
 
     # One encoder row per live sentence throughout: the K rows of a sentence's beams are adjacent
     # and share its encoder output (see MultiheadAttention._encoder_attention_step).
-    state = IncrementalState(capacity=max_len + 1, reorders_every_step=True)
+    state = IncrementalState(capacity=max_len + 1)
     step_logits = decoder_step(model)
-    enc, src_pad = _encode(model, step_logits, src, state)
-    compiled_choices = _compiled(step_logits, _beam_choices)  # where one sentence is left (see there)
+    enc, src_pad = model.encode(src, skip_padding=True)
 
     # Finalized hypotheses per original sentence: K slots plus one dummy slot that absorbs
     # writes beyond the K-th (fairseq ignores those), so writing needs no per-sentence loop.
@@ -330,8 +320,7 @@ def _beam_search(model, src, K, lenpen, max_len_a, max_len_b, nbest, unk_penalty
     for step in range(max_len + 1):
         logits = step_logits(tokens[:, -1:], enc, src_pad, state)
         at_max = max_lens.le(step) if step >= min_max_len else None
-        choose = compiled_choices if counts.size(0) == 1 else _beam_choices
-        flags, counts, done, ok, slot, cand_rows, cand_scores, sel_rows, next_tokens, next_scores = choose(
+        flags, counts, done, ok, slot, cand_rows, cand_scores, sel_rows, next_tokens, next_scores = _beam_choices(
             logits, tokens, scores, counts, at_max, K, step < min_len, pad, eos, unk, unk_penalty)
         any_fin, any_done, all_done = flags.tolist()
         if any_fin:  # EOS candidates into their sentences' slots
@@ -398,14 +387,7 @@ def _beam_choices(logits: torch.Tensor, tokens: torch.Tensor, scores: torch.Tens
     - ``ok``, ``slot`` (b, K): which of the first K candidates are finalized, and into which slots;
       the first K candidates' rows and cumulative log-probs (b, K);
     - ``sel_rows`` (b, K): the row each continuing beam extends; the continuing beams' ``tokens``
-      and ``scores`` (b * K, T + 1), finished sentences' included.
-
-    Plain tensor code, the same whether run eagerly or compiled (``_compiled``): some sixty
-    operators between two steps, a few generated kernels in one call when compiled. Compiled, a
-    beam search (4 beams, 256-wide decoder, vocabulary 8,000, 33 steps) took 0.91x the time of
-    eager choices at one sentence, 0.95x at two, 1.00x at four, 1.03-1.07x at 8-64 (where ATen's
-    kernels over many rows beat the generated ones; bench/beam_choices.py): so beam search runs it
-    compiled where one sentence is left."""
+      and ``scores`` (b * K, T + 1), finished sentences' included."""
     bsz, V = counts.size(0), logits.size(1)
     rows_per = 1 if scores.size(1) == 1 else K
     force = None if at_max is None else at_max[:, None].expand(bsz, rows_per).reshape(-1)
@@ -443,9 +425,3 @@ def _beam_choices(logits: torch.Tensor, tokens: torch.Tensor, scores: torch.Tens
     scores = torch.cat([scores.index_select(0, rows), cand_scores.gather(1, active).view(-1, 1)], dim=1)
     return flags, counts, done, ok, slot, cand_rows[:, :K], cand_scores[:, :K], sel_rows, tokens, scores
 
-
-def _compiled(step: Callable, fn: Callable) -> Callable:
-    """``fn`` compiled as the decoder step compiles (``step.compiled``, a CompiledDecoderStep's),
-    else ``fn`` itself."""
-    compile_fn = getattr(step, "compiled", None)
-    return fn if compile_fn is None else compile_fn(fn)

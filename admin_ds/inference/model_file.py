@@ -63,6 +63,7 @@ from admin_ds.model.config import ModelConfig
 
 FORMAT = "admin-ds-model"
 VERSION = 2  # 2: a content digest; 1 (no digest) loads only with trust_unverified
+PRECISIONS = ("fp32", "int8")  # load_for_decoding's; int8: CPU only (inference/int8.py)
 
 # The file of a DeepSpeed tag that carries the client state: ZeRO-0/1/2 and pipeline runs write
 # mp_rank_00_model_states.pt, ZeRO-3 writes one zero_pp_rank_{r}_... file per rank instead.
@@ -357,23 +358,22 @@ def load_any(path: str | os.PathLike, tag: Optional[str] = None, trust_unverifie
 
 
 def load_for_decoding(path: str | os.PathLike, tag: Optional[str] = None, device: str | torch.device = "cpu",
-                      dtype: torch.dtype = torch.float32, fold: bool = False, packed: bool = True,
-                      trust_unverified: bool = False, precision: str = "fp32", compile_step: bool = False,
-                      compiled_dir: Optional[str | os.PathLike] = None):
+                      dtype: torch.dtype = torch.float32, fold: bool = False, trust_unverified: bool = False,
+                      precision: str = "fp32"):
     """``(model, subword model, ModelFile)`` ready to translate: in eval mode on ``device`` in
     ``dtype``; omega folded away first if ``fold`` (fold.py: the same translations from a vanilla
-    Post-LN model); on a CPU in fp32 the weights packed for oneDNN unless ``packed=False``, or
-    quantized to int8 with ``precision="int8"`` (CPU fp32 only; admin_ds/inference/packed.py);
-    ``compile_step`` (CPU, fp32 or int8): a decoder step compiled by torch.compile (inference/step.py);
-    ``compiled_dir`` (fp32): its graphs kept there and loaded by later processes (inference/packages.py)."""
-    from admin_ds.inference.packed import optimize_for_decoding
+    Post-LN model); with ``precision="int8"``, every linear layer quantized to int8 (CPU fp32 only;
+    admin_ds/inference/int8.py)."""
+    from admin_ds.inference.int8 import quantize_for_decoding
     from admin_ds.model.fold import fold_omega
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown decoding precision {precision!r}; use one of {', '.join(PRECISIONS)}")
     mf = load_any(path, tag, trust_unverified)
     model, subword = build_from_model_file(mf, "cpu", torch.float32)
     if fold:
         model = fold_omega(model)  # in fp32, before any cast
     model = model.to(device=device, dtype=dtype).eval()
-    if packed or precision != "fp32" or compile_step:
-        model = optimize_for_decoding(model, precision, compile_step, compiled_dir)  # fp32: CPU only, elsewhere a no-op
+    if precision == "int8":
+        model = quantize_for_decoding(model)
     return model, subword, mf

@@ -110,46 +110,24 @@ class IncrementalState:
 
     A decoder step (inference/step.py) reads all layers' encoder keys and values as two stacks
     with the layer first (``set_encoder_stack``; each module's entry is a view of its layer), so
-    a compiled step takes two tensors for them and ``reorder_encoder`` is two index_selects.
+    ``reorder_encoder`` is two index_selects.
 
     ``reorder`` follows the search's choice of hypotheses (self-attention caches);
     ``reorder_encoder`` follows a change of the sentences in the batch (encoder-attention caches).
     Decoding is inference: gradients do not flow through a reorder.
-
-    ``keep_in_place`` (the compiled decoder step, for a search that made the state with
-    ``reorders_every_step``: beam search): a reorder then moves no cached key or value.
-    Each position stays in the buffer row that computed it, and ``origins`` (rows, capacity) says
-    where: ``origins[r, t]`` is the buffer row that holds position t of row r. A step writes its
-    position at buffer rows 0 .. rows - 1 and reads the earlier ones through ``origins``; a reorder
-    reorders ``origins`` alone. Copying every layer's filled cache at each beam step took 1.4 ms of
-    a ~12 ms step at 64 sentences x 4 beams (BENCHMARKS.md). Reading through ``origins`` costs
-    more than reading rows in place, so a search that reorders only when sentences finish (greedy)
-    keeps the copying reorder. A growth of the caches gathers each row's positions into a buffer
-    of the rows then decoded: the buffer rows of finished sentences are not carried on.
     """
 
-    def __init__(self, capacity: int = 64, reorders_every_step: bool = False) -> None:
+    def __init__(self, capacity: int = 64) -> None:
         self.length = 0  # target positions already decoded
         self.capacity = max(1, int(capacity))
-        self.reorders_every_step = reorders_every_step  # a hint to the decoder step: keep_in_place
         self._self: dict[int, list[torch.Tensor]] = {}  # id(module) -> [k, v, spare k, spare v]
         self._encoder: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._encoder_stack: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._encoder_stack_keys: tuple[int, ...] = ()
-        self.in_place = False
-        self.origins: Optional[torch.Tensor] = None  # in place: (rows, capacity), see the class
-
-    def keep_in_place(self) -> None:
-        """Reorders move no cached key or value from now on (see the class); before the first step."""
-        if self._self:
-            raise RuntimeError("keep_in_place() after the self-attention caches were filled")
-        self.in_place = True
 
     def append(self, key: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new positions k, v (rows, H, T, Dh) after ``self.length`` cached ones; returns
         views of all keys and values so far, (rows, H, length + T, Dh)."""
-        if self.in_place:
-            raise RuntimeError("append() on a state that keeps its caches in place (keep_in_place)")
         start, end = self.length, self.length + k.size(2)
         bufs = self._self.get(key)
         if bufs is None:
@@ -180,27 +158,10 @@ class IncrementalState:
 
     def reserve(self, end: int) -> None:
         """Room for ``end`` positions in every self-attention cache, grown now rather than in a
-        later ``append``: decoding's compiled step (inference/step.py) then never grows it inside
-        its graph, where each growth would be a graph of its own."""
-        if self.in_place and self.origins is not None:
-            if any(end > bufs[0].size(2) for bufs in self._self.values()):
-                self._grow_in_place(end)
-            return
+        later ``append``: decoding's flat step (inference/step.py) writes into the buffers directly."""
         for bufs in self._self.values():
             if end > bufs[0].size(2):
                 self._grow(bufs, end)
-
-    def step_origins(self, rows: int, device: torch.device) -> torch.Tensor:
-        """In place: ``origins`` (rows, capacity of the buffers), with this step's position
-        (``length``) in each row's own buffer row."""
-        capacity = max((bufs[0].size(2) for bufs in self._self.values()), default=self.length + 1)
-        n, origins = self.length, self.origins
-        if origins is None or origins.size(1) < capacity:
-            self.origins = torch.zeros(rows, capacity, dtype=torch.long, device=device)
-            if origins is not None:
-                self.origins[:, :n] = origins[:, :n]
-        self.origins[:, n] = torch.arange(rows, device=device)
-        return self.origins
 
     def _grow(self, bufs: list, end: int) -> None:
         """A cache's buffers (in place in ``bufs``) at least doubled, to hold ``end`` positions;
@@ -210,22 +171,6 @@ class IncrementalState:
         grown[0][:, :, :n] = bufs[0][:, :, :n]
         grown[1][:, :, :n] = bufs[1][:, :, :n]
         bufs[:] = grown + [None, None]
-
-    def _grow_in_place(self, end: int) -> None:
-        """In place: every cache at least doubled, to hold ``end`` positions, with one buffer row per
-        row now, each row's positions gathered into its own through ``origins``. The buffer rows of
-        finished sentences are dropped: copying all of them took two thirds of the steps' time in a
-        batch of 256 sentences whose last one ran on alone (BENCHMARKS.md)."""
-        n, rows = self.length, self.origins.size(0)
-        at, positions = self.origins[:, :n], torch.arange(n, device=self.origins.device)
-        with torch.no_grad():
-            for bufs in self._self.values():
-                cap = max(end, 2 * bufs[0].size(2))
-                grown = [b.new_empty(rows, b.size(1), cap, b.size(3)) for b in bufs[:2]]
-                for new, old in zip(grown, bufs[:2]):
-                    new[:, :, :n] = old[at, :, positions].transpose(1, 2)
-                bufs[:] = grown + [None, None]
-        self.origins[:, :n] = torch.arange(rows, device=self.origins.device).unsqueeze(1)
 
     def encoder_kv(self, key: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         return self._encoder.get(key)
@@ -255,9 +200,6 @@ class IncrementalState:
         keep their own (a beam that continues itself stays in its row), only the rows that change
         are copied, in place (``_moved_rows``)."""
         n = self.length
-        if self.in_place:
-            self._reorder_origins(order)
-            return
         moved = _moved_rows(order, self._rows()) if n else None
         if moved is not None:
             targets, sources = moved
@@ -281,21 +223,6 @@ class IncrementalState:
     def _rows(self) -> int:
         """The self-attention caches' row count (0 before the first step)."""
         return next(iter(self._self.values()))[0].size(0) if self._self else 0
-
-    def _reorder_origins(self, order: torch.Tensor) -> None:
-        """In place: row i's positions become row ``order[i]``'s, where they are. Buffers with fewer
-        rows than ``order`` (beam search's first step) get the rows, the filled ones copied over."""
-        n, rows = self.length, order.numel()
-        if self.origins is not None:
-            origins = self.origins.new_empty(rows, self.origins.size(1))
-            torch.index_select(self.origins[:, :n], 0, order, out=origins[:, :n])
-            self.origins = origins
-        for bufs in self._self.values():
-            if rows > bufs[0].size(0):
-                grown = [b.new_empty(rows, *b.shape[1:]) for b in bufs[:2]]
-                for new, old in zip(grown, bufs[:2]):
-                    new[:old.size(0), :, :n] = old[:, :, :n]
-                bufs[:] = grown + [None, None]
 
     def reorder_encoder(self, order: torch.Tensor) -> None:
         """Row i of every encoder-attention cache becomes row ``order[i]`` (a sentence index)."""
