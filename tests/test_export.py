@@ -68,9 +68,9 @@ def ours(model, src, method):
 
 
 def limits_of(model, src):
-    from admin_ds.inference.export import max_output_length
-
-    return [max_output_length(int(n), model.cfg.max_positions) for n in src.ne(PAD).sum(1)]
+    """translate.py's output limit of each sentence (decode.py's rule, written out again here)."""
+    a, b = SEARCH["max_len_a"], SEARCH["max_len_b"]
+    return [min(int(a * int(n) + b), model.cfg.max_positions - 1) for n in src.ne(PAD).sum(1)]
 
 
 def until_eos(row):
@@ -132,12 +132,10 @@ def test_the_exports_carry_translate_py_defaults(cases):
 @pytest.mark.parametrize("which", ["run_v1", "copy"])
 @pytest.mark.parametrize("method", ["greedy", "beam"])
 def test_transformers_generate_gives_translate_py_tokens(cases, which, method):
-    """The whole batch in one ``generate`` with the exported defaults and ``hf_length_limit``
-    (translate.py's per-sentence limit): translate.py's tokens for every sentence. Greedy, one
-    sentence a call, ``max_new_tokens`` = its limit + 1 without the processor does as well."""
+    """With the exported defaults: greedy, one sentence a call with ``max_new_tokens`` = its limit
+    + 1, gives translate.py's tokens; and the whole batch in one ``generate`` with
+    ``hf_length_limit`` (translate.py's per-sentence limit) gives them, greedy and beam."""
     from transformers import MarianMTModel
-
-    from admin_ds.inference.export import hf_length_limit
 
     case = cases[which]
     hf = MarianMTModel.from_pretrained(str(case.hf_dir)).eval()
@@ -147,18 +145,21 @@ def test_transformers_generate_gives_translate_py_tokens(cases, which, method):
     assert reached == (len(expected) if which == "run_v1" else 0)  # each model on its side of the limit
     if which == "copy":
         assert len({len(h) for h in expected}) >= 4
-    num_beams = {"greedy": 1, "beam": hf.generation_config.num_beams}[method]
-    with torch.no_grad():
-        out = hf.generate(input_ids=case.src, attention_mask=case.src.ne(PAD), num_beams=num_beams,
-                          logits_processor=[hf_length_limit(case.src.ne(PAD).sum(1), case.model.cfg.max_positions)],
-                          forced_eos_token_id=None)
-    assert [until_eos(row) for row in out[:, 1:].tolist()] == expected  # the first is the decoder's start
     if method == "greedy":
         for row, limit, hyp in zip(case.src, limits, expected):
             row = row[row.ne(PAD)][None]
             with torch.no_grad():
                 one = hf.generate(input_ids=row, num_beams=1, max_new_tokens=limit + 1)
-            assert until_eos(one[0, 1:].tolist()) == hyp
+            assert until_eos(one[0, 1:].tolist()) == hyp  # the first is the decoder's start
+
+    from admin_ds.inference.export import hf_length_limit
+
+    num_beams = {"greedy": 1, "beam": hf.generation_config.num_beams}[method]
+    with torch.no_grad():
+        out = hf.generate(input_ids=case.src, attention_mask=case.src.ne(PAD), num_beams=num_beams,
+                          logits_processor=[hf_length_limit(case.src.ne(PAD).sum(1), case.model.cfg.max_positions)],
+                          forced_eos_token_id=None)
+    assert [until_eos(row) for row in out[:, 1:].tolist()] == expected
 
 
 @pytest.mark.parametrize("which", ["run_v1", "copy"])
