@@ -36,8 +36,9 @@ rule for the length limit). What each library can express:
 
 * transformers: everything that does not depend on the source. Its beam search with
   ``early_stopping=True`` is fairseq's (the top 2 x beam candidates, EOS among the first beam
-  finalized, done at beam finished hypotheses), and it divides by the number of generated tokens,
-  EOS included, as we do. ``min_new_tokens=1`` blocks EOS at the first step (``min_len=1``),
+  finalized, done at beam finished hypotheses; where one step finishes more than fit, fairseq
+  keeps the first, transformers the best, and the best of all is the same), and it divides by the
+  number of generated tokens, EOS included, as we do. ``min_new_tokens=1`` blocks EOS at the first step (``min_len=1``),
   ``suppress_tokens=[pad]`` the pad, and ``max_length`` is the model's limit. The per-sentence
   limit is not a generation-config field, and transformers' forced EOS at a limit scores 0 where
   ours scores EOS's log-probability (this can change which hypothesis wins when beams reach the
@@ -55,8 +56,9 @@ Not expressible in Marian (refused with the reason): Pre-LN models (Marian has n
 option), T-Fixup (no LayerNorm), separate source/target embeddings in our model.
 
 ``--format ct2`` writes the Marian directory into a temporary directory and converts it with
-CTranslate2's ``TransformersConverter`` into ``OUT`` (float32; the SentencePiece model and the
-export report are copied along). CTranslate2's stock Marian loader assumes
+CTranslate2's ``TransformersConverter`` into ``OUT`` (float32; the SentencePiece model, the
+export report and decoding_defaults.json are copied along). Either format is written into a new
+directory beside ``OUT`` and renamed to it when complete (``export``). CTranslate2's stock Marian loader assumes
 OPUS-MT conventions that are not ours: it starts the decoder from a zero embedding (OPUS-MT starts
 with the pad token, whose embedding is zero; ours starts with EOS) and removes the last vocabulary
 row (the pad token transformers appends to OPUS-MT vocabularies; ours is a real piece), so
@@ -291,7 +293,8 @@ def verify_export(out_dir: Path, model, state: dict) -> dict:
 
 def export_hf_marian(mf, out_dir: Path) -> dict:
     """Write ``out_dir`` as a MarianMTModel directory (config, generation config, safetensors,
-    tokenizer) from a ModelFile; returns a report (what was written, verified differences)."""
+    tokenizer, decoding_defaults.json) from a ModelFile; returns a report (what was written,
+    verified differences). ``export`` is the atomic, checked way to call it."""
     import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig, MarianMTModel
@@ -418,7 +421,11 @@ def export(mf, fmt: str, out: Path, force: bool = False) -> dict:
         if out.exists() and any(out.iterdir()):  # force
             old = tmp.with_suffix(".old")
             os.rename(out, old)
-            os.rename(tmp, out)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # the user's directory back where it was
+                raise
             shutil.rmtree(old)
         else:
             os.replace(tmp, out)  # a new name, or onto an empty directory
