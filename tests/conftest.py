@@ -23,6 +23,7 @@ PIPE = {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}, "gradient_
 # collection order.
 LONGEST_FIRST = (
     "test_training.py",        # 266 s
+    "test_export.py",          # 145 (alone, not under two workers)
     "test_pipeline.py",        # 125
     "test_preemption.py",      # 91
     "test_cluster.py",         # 87

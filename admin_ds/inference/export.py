@@ -28,12 +28,37 @@ embedding scale). Our conventions, mapped exactly:
   Exact, at the price of storing the embedding three times. Without s (omega_1 == 1, e.g. a
   default-init or fixed-omega model) the standard tied layout is written.
 
+Decoding like translate.py. Both exports carry translate.py's defaults (``TRANSLATE_DEFAULTS``:
+beam 4, length penalty 0.6, at least one token, at most ``int(1.2 * src_len + 10)``), in
+``generation_config.json`` (what ``generate`` uses unless told otherwise) and in
+``decoding_defaults.json`` (the ``generate`` and ``translate_batch`` keyword arguments, and the
+rule for the length limit). What each library can express:
+
+* transformers: everything that does not depend on the source. Its beam search with
+  ``early_stopping=True`` is fairseq's (the top 2 x beam candidates, EOS among the first beam
+  finalized, done at beam finished hypotheses; where one step finishes more than fit, fairseq
+  keeps the first, transformers the best, and the best of all is the same), and it divides by the
+  number of generated tokens, EOS included, as we do. ``min_new_tokens=1`` blocks EOS at the first step (``min_len=1``),
+  ``suppress_tokens=[pad]`` the pad, and ``max_length`` is the model's limit. The per-sentence
+  limit is not a generation-config field, and transformers' forced EOS at a limit scores 0 where
+  ours scores EOS's log-probability (this can change which hypothesis wins when beams reach the
+  limit): ``hf_length_limit`` is a logits processor that does what translate.py does, per
+  sentence of the batch, so ``generate(**inputs, logits_processor=[hf_length_limit(...)],
+  forced_eos_token_id=None)`` gives translate.py's tokens, greedy and beam.
+* CTranslate2: beam size, length penalty (``return_end_token=True``: it divides by the
+  hypothesis's length, which then counts the EOS as ours does), ``min_decoding_length=1``, no pad.
+  Its stopping rule with a nonzero length penalty and ``patience=1`` is fairseq's. The limit
+  ``max_decoding_length`` is one number per call and has no forced EOS: at the limit CTranslate2
+  keeps the beams as they are, so greedy search gives translate.py's tokens with
+  ``max_decoding_length`` set to the sentence's limit, beam search wherever no beam reaches it.
+
 Not expressible in Marian (refused with the reason): Pre-LN models (Marian has no pre-norm
 option), T-Fixup (no LayerNorm), separate source/target embeddings in our model.
 
 ``--format ct2`` writes the Marian directory into a temporary directory and converts it with
-CTranslate2's ``TransformersConverter`` into ``OUT`` (float32; the SentencePiece model and the
-export report are copied along). CTranslate2's stock Marian loader assumes
+CTranslate2's ``TransformersConverter`` into ``OUT`` (float32; the SentencePiece model, the
+export report and decoding_defaults.json are copied along). Either format is written into a new
+directory beside ``OUT`` and renamed to it when complete (``export``). CTranslate2's stock Marian loader assumes
 OPUS-MT conventions that are not ours: it starts the decoder from a zero embedding (OPUS-MT starts
 with the pad token, whose embedding is zero; ours starts with EOS) and removes the last vocabulary
 row (the pad token transformers appends to OPUS-MT vocabularies; ours is a real piece), so
@@ -45,14 +70,22 @@ pieces with the EOS appended (``MarianTokenizer`` appends it; ``add_source_eos``
 """
 
 import json
+import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
 from admin_ds.errors import UserError
 
 FORMATS = ("hf-marian", "ct2")
-CT2_COPY_FILES = ("source.spm", "target.spm", "admin_ds_export.json")
+DECODING_FILE = "decoding_defaults.json"
+CT2_COPY_FILES = ("source.spm", "target.spm", "admin_ds_export.json", DECODING_FILE)
+
+# launch/translate.py's defaults (tests/test_export.py holds the two together). The output limit of
+# a sentence is int(max_len_a * src_len + max_len_b) tokens, EOS excluded, src_len counting the
+# source's EOS, capped at max_positions - 1 (admin_ds/inference/decode.py).
+TRANSLATE_DEFAULTS = {"beam": 4, "lenpen": 0.6, "max_len_a": 1.2, "max_len_b": 10, "min_len": 1}
 
 
 class ExportError(UserError, ValueError):
@@ -150,6 +183,88 @@ def write_tokenizer(out_dir: Path, subword, spm_bytes: bytes, src_lang, tgt_lang
     tok.save_pretrained(str(out_dir))
 
 
+# ------------------------------------------------------------------------------------------------
+# Decoding as translate.py does (module docstring)
+# ------------------------------------------------------------------------------------------------
+
+
+def max_output_length(src_len: int, max_positions: int, max_len_a: float = TRANSLATE_DEFAULTS["max_len_a"],
+                      max_len_b: int = TRANSLATE_DEFAULTS["max_len_b"]) -> int:
+    """translate.py's output limit, in tokens without the EOS, for a source of ``src_len`` ids
+    (its EOS included, no padding); decode.py's ``_max_lens`` for one sentence."""
+    return max(0, min(int(max_len_a * src_len + max_len_b), max_positions - 1))
+
+
+def hf_generate_defaults(cfg) -> dict:
+    """``generation_config.json``: translate.py's search in transformers' terms. ``max_length``
+    counts the decoder's start token, so the model's limit (max_positions - 1 tokens and the EOS)
+    is max_positions + 1; the per-sentence limit below it is ``hf_length_limit``'s."""
+    d = TRANSLATE_DEFAULTS
+    return {"bos_token_id": cfg.bos_idx, "pad_token_id": cfg.pad_idx, "eos_token_id": cfg.eos_idx,
+            "decoder_start_token_id": cfg.eos_idx, "forced_eos_token_id": cfg.eos_idx,
+            "num_beams": d["beam"], "length_penalty": d["lenpen"], "early_stopping": True, "do_sample": False,
+            "min_new_tokens": d["min_len"], "suppress_tokens": [cfg.pad_idx], "max_length": cfg.max_positions + 1}
+
+
+def ct2_translate_defaults(cfg) -> dict:
+    """``translate_batch`` keyword arguments for translate.py's search, but the per-sentence
+    ``max_decoding_length`` (``max_output_length``). ``return_end_token``: CTranslate2 divides a
+    score by the hypothesis's length, which counts the EOS only when it is returned; the caller
+    drops the final ``</s>``. ``max_input_length``: translate.py keeps max_positions ids (the
+    first max_positions - 1 pieces and the EOS)."""
+    d = TRANSLATE_DEFAULTS
+    return {"beam_size": d["beam"], "length_penalty": d["lenpen"], "patience": 1.0,
+            "min_decoding_length": d["min_len"], "suppress_sequences": [["<pad>"]], "return_end_token": True,
+            "max_input_length": cfg.max_positions}
+
+
+def decoding_defaults(cfg) -> dict:
+    """``decoding_defaults.json``, written into both exports: translate.py's settings, the rule of
+    its length limit, and each library's arguments."""
+    d = TRANSLATE_DEFAULTS
+    limit = (f"min(int({d['max_len_a']} * src_len + {d['max_len_b']}), {cfg.max_positions - 1}) tokens, EOS "
+             f"excluded; src_len = the source's ids with their EOS, without padding")
+    return {"translate.py": {**d, "max_positions": cfg.max_positions},
+            "max_output_length": limit,
+            "transformers": {"generate": hf_generate_defaults(cfg),
+                             "per_sentence": "logits_processor=[admin_ds.inference.export.hf_length_limit("
+                                             "attention_mask.sum(1), max_positions)], forced_eos_token_id=None; "
+                                             "or, one sentence per call, max_new_tokens = limit + 1 (greedy: "
+                                             "exact; beam: a forced EOS scores 0, not its log-probability)"},
+            "ctranslate2": {"translate_batch": ct2_translate_defaults(cfg),
+                            "per_sentence": "max_decoding_length = limit (greedy: exact; beam: exact unless a "
+                                            "beam reaches the limit, where CTranslate2 forces no EOS)"}}
+
+
+def hf_length_limit(src_lengths, max_positions: int, max_len_a: float = TRANSLATE_DEFAULTS["max_len_a"],
+                    max_len_b: int = TRANSLATE_DEFAULTS["max_len_b"], eos: int = 2):
+    """A transformers ``LogitsProcessor`` ending each sentence of a batch where translate.py does:
+    at its limit (``max_output_length`` of its ``src_lengths`` entry, the ids of its source with
+    their EOS) only EOS remains, with the score the model gives it (decode.py's ``_lprobs``).
+    Pass ``forced_eos_token_id=None`` beside it: transformers' own forced EOS scores 0."""
+    import math
+
+    import torch
+    from transformers import LogitsProcessor
+
+    limits = torch.tensor([max_output_length(int(n), max_positions, max_len_a, max_len_b) for n in src_lengths])
+
+    class TranslateLengthLimit(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            # generate() holds a sentence's beams in adjacent rows; input_ids start with the
+            # decoder's start token, so a row has input_ids.size(1) - 1 tokens so far.
+            per_sentence = scores.size(0) // limits.numel()
+            at_limit = limits.to(scores.device).repeat_interleave(per_sentence).eq(input_ids.size(1) - 1)
+            if not bool(at_limit.any()):
+                return scores
+            eos_scores = scores[:, eos].clone()
+            scores = scores.masked_fill(at_limit[:, None], -math.inf)
+            scores[:, eos] = torch.where(at_limit, eos_scores, scores[:, eos])
+            return scores
+
+    return TranslateLengthLimit()
+
+
 def verify_export(out_dir: Path, model, state: dict) -> dict:
     """Reload the directory with transformers: our position table must be the one in use, and the
     logits on random ids must match ours. Returns the measured differences."""
@@ -178,7 +293,8 @@ def verify_export(out_dir: Path, model, state: dict) -> dict:
 
 def export_hf_marian(mf, out_dir: Path) -> dict:
     """Write ``out_dir`` as a MarianMTModel directory (config, generation config, safetensors,
-    tokenizer) from a ModelFile; returns a report (what was written, verified differences)."""
+    tokenizer, decoding_defaults.json) from a ModelFile; returns a report (what was written,
+    verified differences). ``export`` is the atomic, checked way to call it."""
     import torch
     from safetensors.torch import save_file
     from transformers import GenerationConfig, MarianMTModel
@@ -203,10 +319,8 @@ def export_hf_marian(mf, out_dir: Path) -> dict:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out_dir))
-    GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
-                     eos_token_id=config.eos_token_id, decoder_start_token_id=config.decoder_start_token_id,
-                     forced_eos_token_id=config.forced_eos_token_id,
-                     max_length=config.max_position_embeddings).save_pretrained(str(out_dir))
+    GenerationConfig(**hf_generate_defaults(folded.cfg)).save_pretrained(str(out_dir))
+    (out_dir / DECODING_FILE).write_text(json.dumps(decoding_defaults(folded.cfg), indent=1) + "\n")
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     meta = mf.meta
     write_tokenizer(out_dir, subword, mf.subword_model_bytes, meta.get("src_lang"), meta.get("tgt_lang"),
@@ -255,16 +369,68 @@ def convert_ct2(hf_dir: Path, out_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def export(mf, fmt: str, out: Path) -> dict:
-    """Write ``mf`` (a ModelFile) to the empty or new directory ``out`` as ``fmt`` ("hf-marian" or
-    "ct2"); returns the export report."""
+def check_destination(out: Path, force: bool = False) -> None:
+    """Refuse, before any work, an output directory the export cannot write or may not replace;
+    the message names the path. Missing parent directories are made."""
+    if out.is_symlink() and not out.exists():
+        raise ExportError(f"{out}: a symbolic link that leads nowhere (a loop, or a missing target)")
+    if out.exists():
+        if not out.is_dir():
+            raise ExportError(f"{out}: exists and is not a directory")
+        if any(out.iterdir()) and not force:
+            raise ExportError(f"{out}: exists and is not empty (--force replaces it)")
+    ancestor = out.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        raise ExportError(f"{out}: {ancestor} is not a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"{out}: cannot make its parent directory {out.parent} ({e.strerror or e})") from None
+
+
+def export(mf, fmt: str, out: Path, force: bool = False) -> dict:
+    """Write ``mf`` (a ModelFile) as ``fmt`` ("hf-marian" or "ct2") to the directory ``out``, which
+    must be new or empty unless ``force``; returns the export report.
+
+    The export is written into a new sibling directory and renamed to ``out`` when complete, so
+    ``out`` holds a whole export or none: a failure (a full disk, an interrupt) leaves what was
+    there before. ``force`` replaces a non-empty ``out`` the same way, the old one set aside first."""
+    import secrets
+
+    from admin_ds.files import fsync_dir
+
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out}: exists and is not an empty directory")
-    if fmt == "hf-marian":
-        return export_hf_marian(mf, out)
-    with tempfile.TemporaryDirectory(prefix="admin_ds_marian_") as tmp:  # the converter empties its output
-        report = export_hf_marian(mf, Path(tmp))
-        convert_ct2(Path(tmp), out)
+    out = Path(os.path.abspath(out))
+    check_destination(out, force)
+    out = out.resolve() if out.is_symlink() else out  # a link to a directory: export into the directory
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise ExportError(f"{out}: cannot write beside it in {out.parent} ({e.strerror or e})") from None
+    try:
+        if fmt == "hf-marian":
+            report = export_hf_marian(mf, tmp)
+        else:
+            with tempfile.TemporaryDirectory(prefix="admin_ds_marian_") as hf_dir:  # the converter empties its output
+                report = export_hf_marian(mf, Path(hf_dir))
+                convert_ct2(Path(hf_dir), tmp)
+        if out.exists() and any(out.iterdir()):  # force
+            old = tmp.with_suffix(".old")
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # the user's directory back where it was
+                raise
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)  # a new name, or onto an empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
     return report
