@@ -21,6 +21,10 @@ field. YAML anchors are allowed, but a document whose aliases expand to more tha
 ``MAX_CONFIG_NODES`` values (the "billion laughs") or refer to themselves is refused from its node
 graph, before anything is built from it or printed.
 
+Text input. ``bounded_lines`` splits a stream into lines reading fixed-size chunks, and refuses a
+line longer than ``MAX_LINE_BYTES`` naming the file and the line: a device file, a binary file or
+a file without newlines would otherwise be read whole as one line.
+
 This module imports no torch: data preparation's worker processes use it, and launch/train.py
 refuses a bad configuration file before importing torch.
 """
@@ -36,7 +40,39 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from admin_ds.errors import ConfigError
+from admin_ds.errors import ConfigError, DataError
+
+
+# A sentence is a few hundred bytes; the longest lines of WMT's training corpora are ~100 KB of
+# markup. A line a thousand times a sentence is not text to translate or score.
+MAX_LINE_BYTES = 1 << 20
+
+
+def bounded_lines(stream: BinaryIO, name: str, limit: int = MAX_LINE_BYTES,
+                  chunk: int = 1 << 20) -> Iterator[bytes]:
+    """The lines of a binary stream without their ``\\n`` (split on ``\\n`` only, a last line
+    without one included), never holding more than ``limit + chunk`` bytes of one line; a
+    DataError naming ``name`` and the line number past ``limit``."""
+    rest, lineno = b"", 0
+    while True:
+        block = stream.read(chunk)
+        if not block:
+            break
+        lines = (rest + block).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            lineno += 1
+            if len(line) > limit:
+                break
+            yield line
+        else:
+            if len(rest) <= limit:
+                continue
+            lineno += 1
+        raise DataError(f"{name}: line {lineno} is longer than {limit:,} bytes, the bound on one line of text "
+                        "(a binary or device file, or a file without newlines?)")
+    if rest:
+        yield rest
 
 
 def fsync_dir(directory: str | os.PathLike) -> None:
