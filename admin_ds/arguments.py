@@ -66,16 +66,50 @@ def _range(low, high) -> str:
 
 
 def output_file(text: str) -> Path:
-    """A file to write: not an existing directory, in a directory that exists or can be made."""
+    """A file to write: not an existing directory, in a directory that exists or can be made and
+    can be written (``_writable_place``)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a directory; give the path of the file to write")
-    for parent in path.resolve().parents:  # the nearest existing ancestor must be a directory
-        if parent.exists():
-            if not parent.is_dir():
-                raise argparse.ArgumentTypeError(f"{parent} is a file, so {path} cannot be created")
-            break
+    _writable_place(path)
     return path
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into: an existing one, or one that can be made (``_writable_place``)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a file, not a directory")
+    _writable_place(path)
+    return path
+
+
+def _writable_place(path: Path) -> None:
+    """Refuse at parse time what would fail only after the work is done: a path through a loop of
+    symbolic links, under a file, or in a directory where nothing can be created (read-only, or
+    another user's). Writability is tried, not read from the mode bits, which do not bind root
+    and say nothing of a read-only mount: a temporary file is made in the nearest existing
+    directory and removed at once."""
+    import tempfile
+
+    try:
+        resolved = path.resolve()
+    except (RuntimeError, OSError) as e:  # Python < 3.13 raises RuntimeError for a loop
+        raise argparse.ArgumentTypeError(f"{path}: cannot be resolved ({e})") from None
+    if resolved.is_file():
+        parent = resolved.parent  # an existing file is replaced: a new one is made beside it
+    else:
+        parent = next(q for q in [resolved, *resolved.parents] if q.exists())
+        if parent == resolved and not parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} is not a regular file (a device, a pipe or a socket)")
+        if not parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{parent} is a file, so {path} cannot be created")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".write-test.")
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{path}: cannot write in {parent} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def input_file(text: str) -> Path:
@@ -94,6 +128,15 @@ def existing_path(text: str) -> Path:
     if not path.exists():
         raise argparse.ArgumentTypeError(f"no such file or directory: {path}")
     return path
+
+
+def checkpoint_tag(text: str) -> str:
+    """The name of a checkpoint inside a run's ``checkpoints/`` (``update_001000``): a plain name,
+    so that it cannot point elsewhere (``../x``, an absolute path)."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected the name of a checkpoint in the run's checkpoints/ directory "
+                                         f"(e.g. update_001000), got {text!r}")
+    return text
 
 
 def _pair(text: str) -> list:

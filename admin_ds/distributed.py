@@ -235,8 +235,16 @@ def init(device_type: str = "cpu", port: int = 29500, timeout_s: float = 600,
         _wait_for_master(connect_timeout_s)
     if device_type == "cuda":
         torch.cuda.set_device(int(env["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl", distributed_port=port,
-                               timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        deepspeed.init_distributed(dist_backend="gloo" if device_type == "cpu" else "nccl", distributed_port=port,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # torch's DistNetworkError: rank 0 could not listen on the rendezvous port
+        if "EADDRINUSE" not in str(e):
+            raise
+        taken = env.get("MASTER_PORT", port)
+        raise ConnectionError(f"port {taken} on {env.get('MASTER_ADDR', 'this host')} is taken (another run on this "
+                              "machine?): choose another with `deepspeed --master_port N ...` or MASTER_PORT=N; "
+                              "a single process without MASTER_PORT picks a free one") from None
     return dist.get_rank(), dist.get_world_size()
 
 

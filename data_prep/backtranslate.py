@@ -36,7 +36,8 @@ import numpy as np
 from admin_ds import files
 from admin_ds.arguments import existing_path, float_in, input_file, int_in
 from admin_ds.errors import UserError
-from admin_ds.files import atomic_output, sha256_file
+from admin_ds.inference.limits import add_limit_arguments, check_decoding_arguments
+from admin_ds.files import atomic_output, bounded_lines, sha256_file
 from data_prep import PrepError
 from data_prep.clean import PunctNormalizer, decode_side, length_filter, normalize
 from data_prep.noise import encode_with_blanks, noise_line
@@ -70,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int_in(1), default=4096)
     p.add_argument("--max-len-a", type=float_in(0), default=1.2)
     p.add_argument("--max-len-b", type=int_in(0), default=10)
+    add_limit_arguments(p)
     p.add_argument("--shuffle", action="store_true", help="shuffle the combined pairs with the seed "
                    "(default: real x upsample, then synthetic, in order)")
     p.add_argument("--workers", type=int_in(1), default=None,
@@ -84,6 +86,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.min_len > a.max_len:
         p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
+    check_decoding_arguments(p, a, min_len=False)  # --min-len here is the length filter's
     return a
 
 
@@ -92,7 +95,7 @@ def parse_args(argv=None):
 def check_inputs(a) -> tuple[dict, object]:
     """Everything checked before any output is written. Returns the bitext manifest and the
     forward SubwordModel."""
-    from admin_ds.data.binarize import load_manifest
+    from admin_ds.data.binarize import check_listed_files, load_manifest
     from admin_ds.data.subword import SubwordModel
 
     if not a.model.exists():
@@ -104,14 +107,21 @@ def check_inputs(a) -> tuple[dict, object]:
             raise PrepError(f"--mono {f}: empty file")
     if not a.bitext.is_dir():
         raise PrepError(f"--bitext {a.bitext}: no such directory")
+    subword_file = "spm.model"
     try:
         manifest = load_manifest(a.bitext, verify=False)
+        # The subword model is the one file read here rather than copied: checked as training
+        # checks it, so a swapped spm.model cannot encode the synthetic pairs unseen.
+        subword_file = manifest.get("subword_model", subword_file)
+        check_listed_files(a.bitext, manifest, verify=(subword_file,))
     except (FileNotFoundError, ValueError) as e:
         raise PrepError(f"--bitext {e}") from None
     if "train" not in manifest.get("splits", {}):
         raise PrepError(f"--bitext {a.bitext}: no train split in its manifest")
+    if subword_file not in manifest.get("files", {}):
+        raise PrepError(f"--bitext {a.bitext}: its manifest records no checksum of {subword_file}")
     try:
-        sp = SubwordModel(a.bitext / manifest.get("subword_model", "spm.model"))
+        sp = SubwordModel(a.bitext / subword_file)
     except (OSError, ValueError) as e:
         raise PrepError(f"--bitext {a.bitext}: {e}") from None
     if a.tag:
@@ -134,9 +144,9 @@ def read_mono(files: list[Path], lang: str) -> tuple[list[str], dict]:
     lines, stats = [], {"read": 0, "invalid_utf8": 0, "empty": 0}
     for f in files:
         with open(f, "rb") as fh:
-            for raw in fh:
+            for raw in bounded_lines(fh, f"--mono {f}"):
                 stats["read"] += 1
-                text = decode_side(raw.rstrip(b"\n"))
+                text = decode_side(raw)
                 if text is None:
                     stats["invalid_utf8"] += 1
                     continue

@@ -26,6 +26,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from admin_ds.arguments import float_in, int_in, output_dir
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -35,31 +37,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--out", required=True, help="atlas directory (cells, report)")
+    p.add_argument("--out", required=True, type=output_dir, help="atlas directory (cells, report)")
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--data", help="a prepared data directory (manifest.json)")
     data.add_argument("--raw-dir", help="Multi30k raw files (train/val/test_2016_flickr .gz); prepared into OUT/data")
     p.add_argument("--pair", default="en-de", help="with --raw-dir: SRC-TGT")
-    p.add_argument("--vocab-size", type=int, default=8000, help="with --raw-dir: joint SentencePiece pieces")
+    p.add_argument("--vocab-size", type=int_in(8), default=8000, help="with --raw-dir: joint SentencePiece pieces")
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu",
                    help="defaults of the grid: narrow (cpu) or the papers' width (gpu)")
     p.add_argument("--inits", nargs="+", choices=list(INIT_VARIANTS), help="default: post pre admin")
     p.add_argument("--depths", nargs="+", help="N (N-N) or N-M encoder-decoder layers")
-    p.add_argument("--lrs", nargs="+", type=float, help="peak learning rates")
-    p.add_argument("--warmups", nargs="+", type=int, help="warmup updates")
-    p.add_argument("--updates", type=int, help="updates per cell")
-    p.add_argument("--model-dim", type=int)
-    p.add_argument("--ffn-dim", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--max-tokens", type=int, help="padded tokens per micro-batch")
-    p.add_argument("--valid-interval", type=int, help="validation (and checkpoint) every N updates")
-    p.add_argument("--bleu-sentences", type=int, help="validation sentences decoded for BLEU (0: all)")
-    p.add_argument("--bleu-beam", type=int)
+    p.add_argument("--lrs", nargs="+", type=float_in(0, low_open=True), help="peak learning rates")
+    p.add_argument("--warmups", nargs="+", type=int_in(0), help="warmup updates")
+    p.add_argument("--updates", type=int_in(1), help="updates per cell")
+    p.add_argument("--model-dim", type=int_in(2))
+    p.add_argument("--ffn-dim", type=int_in(1))
+    p.add_argument("--heads", type=int_in(1))
+    p.add_argument("--max-tokens", type=int_in(1), help="padded tokens per micro-batch")
+    p.add_argument("--valid-interval", type=int_in(1), help="validation (and checkpoint) every N updates")
+    p.add_argument("--bleu-sentences", type=int_in(0), help="validation sentences decoded for BLEU (0: all)")
+    p.add_argument("--bleu-beam", type=int_in(1))
     p.add_argument("--seed", type=int, help="the run seed of every cell (default 1)")
     p.add_argument("--deepspeed_config", help="engine JSON for every cell (default ds_configs/zero1.json; "
                                               "zero1_bf16.json with --scale gpu)")
-    p.add_argument("--jobs", type=int, help="cells at a time (default: one per GPU, else 1)")
-    p.add_argument("--output-change-seeds", type=int, default=2, help="models per (init, depth) for the "
+    p.add_argument("--jobs", type=int_in(1), help="cells at a time (default: one per GPU, else 1)")
+    p.add_argument("--output-change-seeds", type=int_in(0), default=2, help="models per (init, depth) for the "
                                                                       "Theorem 2 curve; 0 skips it")
     p.add_argument("--report-only", action="store_true", help="write the report from the cells there are")
     return p

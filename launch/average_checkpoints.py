@@ -5,7 +5,8 @@
 
 Any ZeRO stage, pipeline layout and world size (admin_ds/inference/averaging.py). Refused, with a
 message and exit status 2: fewer than N complete checkpoints, checkpoints whose model configs or
-subword models differ.
+subword models differ; an --out inside the run's checkpoints (the inputs), or that cannot be
+written (a read-only directory, a path under a file or through a loop of links).
 """
 
 import argparse
@@ -21,7 +22,12 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, type=output_file, help="model file to write")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept checkpoints written without digests (an older version)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    inputs = (args.run / "checkpoints").resolve()
+    if args.out.resolve().is_relative_to(inputs):  # a file there would be taken for part of a checkpoint
+        p.error(f"--out {args.out} is inside the checkpoints it averages ({inputs}); write it elsewhere, "
+                "e.g. beside them in the run directory")
+    return args
 
 
 def main(argv=None) -> int:

@@ -9,13 +9,31 @@ VENV="${ADMIN_DS_VENV:-$ROOT/.venv}"
 REQS="${1:-requirements.txt}"
 PY="${PYTHON:-python3}"
 
+# apt takes its locks without waiting, so another apt run (unattended upgrades at boot, a second
+# setup on the node) would fail this one at once. It waits up to APT_LOCK_WAIT seconds instead:
+# DPkg::Lock::Timeout covers dpkg's lock (install); the package lists' lock (update) has no such
+# option in apt 2.6, so update is retried while the lock is what stops it.
+APT_LOCK_WAIT="${APT_LOCK_WAIT:-300}"
+apt_get() {
+  local waited=0 out
+  until out="$(apt-get -o DPkg::Lock::Timeout="$APT_LOCK_WAIT" "$@" 2>&1)"; do
+    if ! grep -q "Could not get lock" <<<"$out" || [ "$waited" -ge "$APT_LOCK_WAIT" ]; then
+      echo "$out" >&2
+      return 1
+    fi
+    [ "$waited" = 0 ] && echo "[setup] another apt or dpkg holds its lock; waiting up to ${APT_LOCK_WAIT}s" >&2
+    sleep 5
+    waited=$((waited + 5))
+  done
+}
+
 # OpenMPI serves the MPI launch paths (mpirun / deepspeed --launcher openmpi). Install it from the
 # OS packages when we may; otherwise say what is missing and carry on: nothing else needs it.
 if ! command -v mpirun >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing OpenMPI from the OS packages (openmpi-bin, libopenmpi-dev)"
-    apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev >/dev/null
+    apt_get update -qq
+    DEBIAN_FRONTEND=noninteractive apt_get install -y -qq openmpi-bin libopenmpi-dev
   else
     echo "[setup] note: OpenMPI (mpirun) not found and not installable here (not root, or no apt-get)." >&2
     echo "[setup]       Install it for MPI launches, e.g. 'sudo apt-get install openmpi-bin libopenmpi-dev'." >&2

@@ -28,13 +28,15 @@ import argparse
 import sys
 import time
 
-from admin_ds.arguments import existing_path, float_in, input_file, int_in
+from admin_ds.arguments import checkpoint_tag, existing_path, float_in, input_file, int_in
+from admin_ds.inference.limits import add_limit_arguments, check_decoding_arguments
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, type=existing_path, help="run dir, checkpoint tag dir or model file")
-    p.add_argument("--tag", help="checkpoint tag in a run dir (default: the newest complete one)")
+    p.add_argument("--tag", type=checkpoint_tag,
+                   help="checkpoint tag in a run dir (default: the newest complete one)")
     p.add_argument("--input", required=True, type=input_file, help="raw text file, one sentence per line; - for stdin")
     p.add_argument("--method", choices=("beam", "greedy", "sample"), default="beam")
     p.add_argument("--beam", type=int_in(1), default=4)
@@ -50,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float_in(0, low_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=1, help="sampling seed (rank r uses seed + r)")
     p.add_argument("--max-tokens", type=int_in(1), default=4096, help="source tokens per batch (n x longest)")
+    add_limit_arguments(p)
     p.add_argument("--fold", action="store_true", help="fold omega into the weights first")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
@@ -66,6 +69,7 @@ def parse_args(argv=None):
         p.error(f"--nbest {args.nbest} exceeds --beam {args.beam}")
     if args.int8 and (args.dtype != "fp32" or args.device == "cuda"):
         p.error("--int8 decodes on the CPU from fp32 weights: drop --dtype and --device cuda")
+    check_decoding_arguments(p, args)
     return args
 
 

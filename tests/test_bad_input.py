@@ -1,7 +1,7 @@
 """Bad and hostile input to every command, through its real command line.
 
 Each case runs one entry point as a process of its own (train, prepare, backtranslate, translate,
-average, export, evaluate, analyze, models, cluster_env) and asserts what a user must get: a
+average, export, evaluate, analyze, models, cluster_env, atlas) and asserts what a user must get: a
 non-zero exit, one ``error:`` line (or argparse's usage error) naming the file, field or argument,
 no traceback, and nothing written into the case's folder that a later step could take for complete
 (a checkpoint, a model file, an output directory). A hostile checkpoint, a pickle that creates a
@@ -43,7 +43,7 @@ SCRIPTS = {"train": "launch/train.py", "translate": "launch/translate.py",
            "average": "launch/average_checkpoints.py", "export": "launch/export.py",
            "evaluate": "launch/evaluate.py", "analyze": "launch/analyze.py", "models": "launch/models.py",
            "cluster_env": "launch/cluster_env.py", "prepare": "data_prep/prepare.py",
-           "backtranslate": "data_prep/backtranslate.py"}
+           "backtranslate": "data_prep/backtranslate.py", "atlas": "launch/atlas.py"}
 ZERO1, ZERO2 = str(REPO / "ds_configs/zero1.json"), str(REPO / "ds_configs/zero2.json")
 MAY_CHANGE = {"run_config.json", "ds_config.json", "metrics.jsonl", ".lock", ".prepare.lock", "CORRUPT"}
 
@@ -206,6 +206,80 @@ def bt(ctx: Ctx, *extra, model=None) -> list:
     mono = ctx.file("mono.de", "Das Haus ist klein.\nDer Hund läuft.\n")
     return ["--model", model or ctx.model, "--mono", mono, "--bitext", ctx.data, "--out", ctx.tmp / "bt",
             "--method", "beam", "--beam", "1", *extra]
+
+
+# Billion laughs: nine levels of nine aliases, 9^9 values once expanded, 400 bytes on disk.
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+LINE_BOUND = 1 << 20  # admin_ds.files.MAX_LINE_BYTES
+CONFIG_BOUND = 1 << 20  # admin_ds.files.MAX_CONFIG_BYTES
+
+
+def long_line(ctx: Ctx, name: str, before: str = "") -> Path:
+    """A text file whose line after ``before`` has no newline within the line bound."""
+    return ctx.file(name, before.encode() + b"x" * (LINE_BOUND + 1))
+
+
+def unwritable(ctx: Ctx) -> Path:
+    """A directory nothing can be created in: made read-only, or, for root (whom modes do not
+    stop), /sys."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    d = ctx.tmp / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    return d
+
+
+def link_loop(ctx: Ctx) -> Path:
+    loop = ctx.tmp / "loop"
+    loop.symlink_to(loop)
+    return loop
+
+
+def link(ctx: Ctx, name: str, target: Path) -> Path:
+    path = ctx.tmp / name
+    path.symlink_to(target)
+    return path
+
+
+def swap_subword_model(ctx: Ctx) -> Path:
+    """A copy of the data directory whose spm.model is another file than the one its manifest records."""
+    data = Path(shutil.copytree(ctx.data, ctx.tmp / "d"))
+    flip_byte(data / "spm.model", -10)
+    return data
+
+
+def unlist_subword_model(ctx: Ctx) -> Path:
+    data = Path(shutil.copytree(ctx.data, ctx.tmp / "d"))
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["files"].pop("spm.model")
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    return data
+
+
+def tag_link_out(ctx: Ctx) -> list:
+    """A run copy whose checkpoints/ holds a link to a tag of another run."""
+    run = ctx.copy_run()
+    (run / "checkpoints" / "elsewhere").symlink_to(ctx.tag(ctx.run))
+    return ["--checkpoint", run, "--tag", "elsewhere", "--input", ctx.text]
+
+
+def atlas(ctx: Ctx, *extra) -> list:
+    return ["--data", ctx.data, "--out", ctx.tmp / "atlas", "--updates", "2", *extra]
+
+
+def tr(ctx: Ctx, *extra) -> list:
+    return ["--checkpoint", ctx.model, "--input", ctx.text, *extra]
+
+
+def avg(ctx: Ctx, out) -> list:
+    return ["--run", ctx.run, "--last", "2", "--out", out]
+
+
+def avg_copy(ctx: Ctx, out: Callable[[Path], Path]) -> list:
+    run = ctx.copy_run()
+    return ["--run", run, "--last", "2", "--out", out(run)]
 
 
 CASES = [
@@ -413,6 +487,124 @@ CASES = [
     # ---- cluster_env ------------------------------------------------------------------------
     Case("set-without-value", "cluster_env", lambda c: ["--set", "NCCL_DEBUG", "--out", c.tmp / "env"], ("NCCL_DEBUG",)),
     Case("out-is-directory", "cluster_env", lambda c: ["--out", c.tmp], ("--out", "directory")),
+    # ---- strict configs: the run config YAML ------------------------------------------------
+    Case("config-duplicate-key", "train",
+         lambda c: [*c.train(), "--config", c.file("r.yaml", "optim:\n  lr: 1.0e-3\n  lr: 2.0e-3\n")],
+         ("r.yaml:3", "duplicate key 'lr'", "line 2")),
+    Case("config-duplicate-section", "train",
+         lambda c: [*c.train(), "--config", c.file("r.yaml", "train:\n  seed: 2\nmodel:\n  preset: debug-tiny\n"
+                                                          "train:\n  seed: 3\n")],
+         ("r.yaml:5", "duplicate key 'train'")),
+    Case("config-inf", "train", lambda c: [*c.train(), "--config", c.file("r.yaml", "optim:\n  lr: .inf\n")],
+         ("r.yaml", "optim.lr", "not a finite number")),
+    Case("config-nan-in-pair", "train",
+         lambda c: [*c.train(), "--config", c.file("r.yaml", "optim:\n  betas: [0.9, .nan]\n")],
+         ("r.yaml", "optim.betas[1]", "not a finite number")),
+    Case("config-alias-bomb", "train", lambda c: [*c.train(), "--config", c.file("r.yaml", ALIAS_BOMB)],
+         ("r.yaml", "100,000", "alias")),
+    Case("config-recursive-alias", "train", lambda c: [*c.train(), "--config", c.file("r.yaml", "a: &a [1, *a]\n")],
+         ("r.yaml:1", "recursive")),
+    Case("config-over-bound", "train",
+         lambda c: [*c.train(), "--config", c.file("r.yaml", "# " + "x" * CONFIG_BOUND + "\n")],
+         ("--config", "r.yaml", f"{CONFIG_BOUND:,} bytes")),
+    Case("config-device-file", "train", lambda c: [*c.train(), "--config", "/dev/zero"],
+         ("--config", "/dev/zero", f"{CONFIG_BOUND:,} bytes")),
+    Case("override-inf", "train", lambda c: c.train("--optim.lr=inf"), ("optim.lr", "finite")),
+    Case("override-nan", "train", lambda c: c.train("--optim.clip_norm=nan"), ("optim.clip_norm", "finite")),
+    # ---- strict configs: the DeepSpeed JSON ---------------------------------------------------
+    Case("ds-duplicate-zero-section", "train",
+         lambda c: c.train(ds=ds(c, "d.json", '{"zero_optimization": {"stage": 1},\n "zero_optimization": {"stage": 3}}')),
+         ("d.json:1", "duplicate key 'zero_optimization'")),
+    Case("ds-duplicate-nested-key", "train",
+         lambda c: c.train(ds=ds(c, "d.json", '{"train_micro_batch_size_per_gpu": 1,\n "bf16": {"enabled": false,\n'
+                                               '   "enabled": true}}')),
+         ("d.json:2", "duplicate key 'enabled'")),
+    Case("ds-infinity", "train", lambda c: c.train(ds=ds(c, "d.json", '{"gradient_clipping": Infinity}')),
+         ("d.json", "gradient_clipping", "not a finite number")),
+    Case("ds-nan-nested", "train",
+         lambda c: c.train(ds=ds(c, "d.json", '{"zero_optimization": {"stage": 1, "reduce_bucket_size": NaN}}')),
+         ("d.json", "zero_optimization.reduce_bucket_size", "not a finite number")),
+    Case("ds-number-overflows", "train", lambda c: c.train(ds=ds(c, "d.json", '{"gradient_clipping": 1e999}')),
+         ("d.json", "gradient_clipping", "not a finite number")),
+    Case("ds-over-bound", "train", lambda c: c.train(ds=ds(c, "d.json", '{"a": "' + "x" * CONFIG_BOUND + '"}')),
+         ("--deepspeed_config", "d.json", f"{CONFIG_BOUND:,} bytes")),
+    Case("ds-nested-too-deeply", "train", lambda c: c.train(ds=ds(c, "d.json", "[" * 100000)),
+         ("d.json", "nested too deeply")),
+    # ---- translate: contradictory and unbounded decoding options, long lines, tags -----------
+    Case("max-length-0", "translate", lambda c: tr(c, "--max-len-a", "0", "--max-len-b", "0"),
+         ("--max-len-a 0", "--max-len-b 0")),
+    Case("min-len-above-max-len", "translate", lambda c: tr(c, "--max-len-a", "0", "--max-len-b", "5", "--min-len", "6"),
+         ("--min-len 6", "--max-len-b 5")),
+    Case("beam-unbounded", "translate", lambda c: tr(c, "--beam", "100000"),
+         ("--beam 100000", "33,554,432", "--max-decode-cells")),
+    Case("max-tokens-unbounded", "translate", lambda c: tr(c, "--max-tokens", "1000000000"),
+         ("--max-tokens 1000000000", "--max-decode-cells")),
+    Case("max-len-b-unbounded", "translate", lambda c: tr(c, "--max-len-b", "100000000", "--method", "greedy"),
+         ("--max-len-b 100000000", "--max-decode-cells")),
+    Case("max-decode-cells-0", "translate", lambda c: tr(c, "--max-decode-cells", "0"), ("--max-decode-cells",)),
+    Case("line-over-bound", "translate", lambda c: ["--checkpoint", c.model, "--input", long_line(c, "long.txt")],
+         ("long.txt", "line 1", f"{LINE_BOUND:,} bytes")),
+    Case("later-line-over-bound", "translate",
+         lambda c: ["--checkpoint", c.model, "--input", long_line(c, "long.txt", "a\nb\n")],
+         ("long.txt", "line 3", f"{LINE_BOUND:,} bytes")),
+    Case("input-device-file", "translate", lambda c: ["--checkpoint", c.model, "--input", "/dev/zero"],
+         ("/dev/zero", "line 1", f"{LINE_BOUND:,} bytes")),
+    Case("tag-parent", "translate", lambda c: ["--checkpoint", c.run, "--tag", "../checkpoints", "--input", c.text],
+         ("--tag", "../checkpoints")),
+    Case("tag-absolute", "translate",
+         lambda c: ["--checkpoint", c.run, "--tag", str(c.tag(c.run)), "--input", c.text], ("--tag", "update_000004")),
+    Case("tag-link-out-of-run", "translate", tag_link_out, ("elsewhere", "outside")),
+    # ---- evaluate: lines over the bound ------------------------------------------------------
+    Case("hyp-line-over-bound", "evaluate",
+         lambda c: ["--hyp", long_line(c, "h.txt"), "--ref", c.file("r.txt", "a\n"), "--lang", "en-de"],
+         ("h.txt", "line 1", f"{LINE_BOUND:,} bytes")),
+    Case("ref-device-file", "evaluate", lambda c: ["--hyp", c.file("h.txt", "a\n"), "--ref", "/dev/zero", "--lang", "en-de"],
+         ("/dev/zero", "line 1")),
+    Case("src-line-over-bound", "evaluate",
+         lambda c: ["--hyp", c.file("h.txt", "a\nb\n"), "--ref", c.file("r.txt", "a\nb\n"),
+                    "--src", long_line(c, "s.txt", "a\n"), "--lang", "en-de"], ("s.txt", "line 2")),
+    # ---- backtranslate: decoding options, long lines, the bitext's subword model -------------
+    Case("max-length-0", "backtranslate", lambda c: [*bt(c), "--max-len-a", "0", "--max-len-b", "0"],
+         ("--max-len-a 0", "--max-len-b 0")),
+    Case("beam-unbounded", "backtranslate", lambda c: [*bt(c), "--beam", "100000"],
+         ("--beam 100000", "--max-decode-cells")),
+    Case("max-tokens-unbounded", "backtranslate", lambda c: [*bt(c), "--method", "sampling", "--max-tokens", "1000000000"],
+         ("--max-tokens 1000000000", "--max-decode-cells")),
+    Case("mono-line-over-bound", "backtranslate", lambda c: [*bt(c), "--mono", long_line(c, "m.de", "Hallo.\n")],
+         ("--mono", "m.de", "line 2", f"{LINE_BOUND:,} bytes")),
+    Case("subword-model-swapped", "backtranslate", lambda c: [*bt(c), "--bitext", swap_subword_model(c)],
+         ("--bitext", "spm.model", "checksum")),
+    Case("subword-model-unrecorded", "backtranslate", lambda c: [*bt(c), "--bitext", unlist_subword_model(c)],
+         ("--bitext", "spm.model", "checksum")),
+    # ---- average_checkpoints: outputs that would destroy inputs or cannot be written ---------
+    Case("out-inside-a-tag", "average", lambda c: avg_copy(c, lambda run: c.tag(run) / "avg.pt"),
+         ("--out", "inside the checkpoints")),
+    Case("out-in-checkpoints", "average", lambda c: avg_copy(c, lambda run: run / "checkpoints" / "avg.pt"),
+         ("--out", "inside the checkpoints")),
+    Case("out-links-to-a-checkpoint-file", "average",
+         lambda c: avg_copy(c, lambda run: link(c, "avg.pt", c.tag(run) / "mp_rank_00_model_states.pt")),
+         ("--out", "inside the checkpoints")),
+    Case("out-under-a-file", "average", lambda c: avg(c, c.file("f", "x") / "avg.pt"), ("--out", "is a file")),
+    Case("out-link-loop", "average", lambda c: avg(c, link_loop(c) / "avg.pt"), ("--out", "loop", "cannot be resolved")),
+    Case("out-unwritable", "average", lambda c: avg(c, unwritable(c) / "avg.pt"), ("--out", "cannot write in")),
+    # ---- atlas: the grid and the output directory --------------------------------------------
+    Case("lr-negative", "atlas", lambda c: atlas(c, "--lrs", "-0.001"), ("--lrs", "-0.001")),
+    Case("lr-zero", "atlas", lambda c: atlas(c, "--lrs", "0"), ("--lrs", "0")),
+    Case("lr-nan", "atlas", lambda c: atlas(c, "--lrs", "nan"), ("--lrs", "nan")),
+    Case("lr-repeated", "atlas", lambda c: atlas(c, "--lrs", "1e-3", "0.001"), ("more than once", "--lrs")),
+    Case("warmup-negative", "atlas", lambda c: atlas(c, "--warmups", "-5"), ("--warmups", "-5")),
+    Case("updates-0", "atlas", lambda c: atlas(c, "--updates", "0"), ("--updates", "0")),
+    Case("heads-do-not-divide", "atlas", lambda c: atlas(c, "--model-dim", "64", "--heads", "5"),
+         ("--heads 5", "--model-dim 64")),
+    Case("depth-0", "atlas", lambda c: atlas(c, "--depths", "0"), ("--depths", "'0'")),
+    Case("jobs-0", "atlas", lambda c: atlas(c, "--jobs", "0"), ("--jobs",)),
+    Case("out-is-file", "atlas", lambda c: ["--data", c.data, "--out", c.file("a", "x")], ("--out", "not a directory")),
+    Case("out-under-a-file", "atlas", lambda c: ["--data", c.data, "--out", c.file("f", "x") / "atlas"],
+         ("--out", "is a file")),
+    Case("out-link-loop", "atlas", lambda c: ["--data", c.data, "--out", link_loop(c) / "atlas"],
+         ("--out", "cannot be resolved")),
+    Case("out-unwritable", "atlas", lambda c: ["--data", c.data, "--out", unwritable(c) / "atlas"],
+         ("--out", "cannot write in")),
 ]
 
 
@@ -506,7 +698,7 @@ def test_prefork_runs_a_script_as_the_interpreter_does(tmp_path):
 
 def test_case_ids_are_unique_and_cover_every_command():
     ids = [c.param.id for c in CASES]
-    assert len(ids) == len(set(ids)) and len(ids) >= 60
+    assert len(ids) == len(set(ids)) and len(ids) >= 160
     assert {c.command for c in CASES} == set(SCRIPTS)
     assert any(c.hostile for c in CASES if c.command == "train")
 
@@ -522,6 +714,7 @@ def test_refused_with_a_message_naming_it(case, results):
     assert lines, err[-3000:]
     for want in case.expect:
         assert want in lines[-1], f"{want!r} not in {lines[-1]!r}"
+    assert len(lines[-1]) < 1000, f"not a one-line message: {lines[-1][:300]!r}..."
     assert not r["marker"].exists(), "the hostile pickle ran"
     changed = sorted(k for k in r["before"].keys() | r["after"].keys() if r["before"].get(k) != r["after"].get(k))
     assert not changed, f"files written or changed: {changed[:5]}"
@@ -572,3 +765,65 @@ def test_trust_unverified_opens_an_old_model_file(shared, cli, tmp_path):
     same = cli("translate", "--checkpoint", shared.model, "--input", shared.text, "--method", "greedy", "--quiet",
                cwd=tmp_path)
     assert out.stdout == same.stdout and out.stdout
+
+
+def test_evaluate_ignores_a_byte_order_mark(shared, cli, tmp_path):
+    """A UTF-8 BOM at the start of the hypothesis or the reference file is an editor's signature, not
+    text: identical text scores 100 BLEU with it on either side, as without it."""
+    text = "Das Haus ist klein.\nDer Hund läuft schnell nach Hause.\n"
+    plain = tmp_path / "plain.de"
+    plain.write_text(text, encoding="utf-8")
+    bom = tmp_path / "bom.de"
+    bom.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    for hyp, ref in ((bom, plain), (plain, bom), (bom, bom)):
+        out = cli("evaluate", "--hyp", hyp, "--ref", ref, "--lang", "en-de", "--json", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout)
+        assert (result["bleu"], result["chrf"]) == pytest.approx((100, 100)), (hyp.name, ref.name, result)
+    # Only the file's first bytes are a signature: the same bytes inside a line are text and count.
+    inner = tmp_path / "inner.de"
+    inner.write_bytes(text.replace("Hund", "\ufeffHund").encode())
+    out = cli("evaluate", "--hyp", inner, "--ref", plain, "--lang", "en-de", "--json", cwd=tmp_path)
+    assert out.returncode == 0 and json.loads(out.stdout)["bleu"] < 99
+
+
+def test_train_names_a_taken_port(shared, tmp_path):
+    """A rendezvous port another process holds (a second run on the machine) is refused in one
+    line naming the port and how to choose another, not with a traceback; nothing is trained."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        out = subprocess.run([sys.executable, str(REPO / SCRIPTS["train"]), "--deepspeed_config", ZERO1,
+                              *overrides(tmp_path / "run", shared.data)], capture_output=True, text=True,
+                             env=dict(ENV, MASTER_PORT=str(port)), cwd=tmp_path, timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"error: port {port} on 127.0.0.1 is taken" in out.stderr and "--master_port" in out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_bounded_lines_splits_as_bytes_split(tmp_path):
+    """The chunked reader against bytes.split (the independent reference), with chunks smaller
+    than, equal to and larger than the lines, and a line exactly at the bound."""
+    import io
+    import random
+
+    from admin_ds.errors import DataError
+    from admin_ds.files import bounded_lines
+
+    rng = random.Random(0)
+    for trial in range(200):
+        data = bytes(rng.choice(b"ab\n") for _ in range(rng.randrange(0, 60)))
+        want = data.split(b"\n")
+        if want[-1] == b"":
+            want.pop()  # a final newline ends the last line; it does not start another
+        limit = max((len(x) for x in want), default=0)
+        got = list(bounded_lines(io.BytesIO(data), "f", limit=limit, chunk=rng.choice([1, 3, 7, 64])))
+        assert got == want, (trial, data)
+        if limit:
+            long_at = next(i for i, x in enumerate(want) if len(x) == limit) + 1
+            with pytest.raises(DataError, match=f"^f: line {long_at} is longer than {limit - 1:,} bytes"):
+                list(bounded_lines(io.BytesIO(data), "f", limit=limit - 1, chunk=rng.choice([1, 3, 7, 64])))

@@ -197,8 +197,10 @@ def _locate(path: Path, tag: Optional[str], trust_unverified: bool) -> tuple[Pat
         if tag is not None and tag != path.name:
             raise ModelFileError(f"{path}: a tag directory was given together with tag={tag!r}")
         ckpt_dir, tag = path.parent, path.name
+        named = False
     else:
         ckpt_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        named = tag is not None
         if tag is None:
             tag = newest_verified(ckpt_dir, log=lambda msg: print(f"warning: {msg}", file=sys.stderr))
             if tag is None:
@@ -207,6 +209,8 @@ def _locate(path: Path, tag: Optional[str], trust_unverified: bool) -> tuple[Pat
     tag_dir = ckpt_dir / tag
     if not tag_dir.is_dir():
         raise ModelFileError(f"{tag_dir}: no such checkpoint")
+    if named and tag_dir.resolve().parent != ckpt_dir.resolve():  # a path in the name, or a link out of the run
+        raise ModelFileError(f"{tag_dir}: tag {tag!r} leads outside {ckpt_dir} (to {tag_dir.resolve()})")
     if not is_complete(tag_dir):
         raise ModelFileError(f"{tag_dir}: checkpoint is incomplete (no valid {COMPLETE} marker: a save that was "
                              "interrupted, or a damaged marker)")

@@ -72,14 +72,17 @@ _COMPOUND_SPLIT_LANGS = frozenset({"de"})
 def read_lines(path: str | PathLike[str]) -> list[str]:
     """Read a UTF-8 text file as a list of lines, one segment per line.
 
-    Only the trailing ``\\n`` of each line is removed; everything else (``\\r``, other trailing
-    whitespace, a BOM) is kept, because splitting on anything but ``\\n`` -- as Python's
-    universal-newline mode or ``str.splitlines`` would do for ``\\r``, ``\\x1c`` or ``\\u2028`` --
-    silently changes the line count and misaligns hypotheses with references.  sacreBLEU's
-    command-line tool reads files the same way (``newline="\\n"``).
+    Only the trailing ``\\n`` of each line is removed, and a UTF-8 byte order mark at the start of
+    the file (an editor's signature, not text: kept, it would make the first segment differ from a
+    reference without one); everything else (``\\r``, other trailing whitespace) is kept, because
+    splitting on anything but ``\\n`` -- as Python's universal-newline mode or ``str.splitlines``
+    would do for ``\\r``, ``\\x1c`` or ``\\u2028`` -- silently changes the line count and misaligns
+    hypotheses with references.  sacreBLEU's command-line tool reads files the same way
+    (``newline="\\n"``).
 
     ``"-"`` reads standard input.  Invalid UTF-8 raises ``ValueError`` naming the file, the
-    1-based line number and the offending byte offset within that line.
+    1-based line number and the offending byte offset within that line; so does a line longer than
+    ``admin_ds.files.MAX_LINE_BYTES`` (the file is read in bounded chunks).
     """
     name = str(path)
     if name == "-":
@@ -89,11 +92,12 @@ def read_lines(path: str | PathLike[str]) -> list[str]:
 
 
 def _decode_lines(stream: BinaryIO, name: str) -> list[str]:
+    from admin_ds.files import bounded_lines
+
     lines = []
-    # Iterating a binary stream splits on b"\n" only, which is exactly the contract above.
-    for lineno, raw in enumerate(stream, start=1):
-        if raw.endswith(b"\n"):
-            raw = raw[:-1]
+    for lineno, raw in enumerate(bounded_lines(stream, name), start=1):
+        if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
         try:
             lines.append(raw.decode("utf-8"))
         except UnicodeDecodeError as err:

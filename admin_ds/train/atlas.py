@@ -135,12 +135,19 @@ class AtlasGrid:
                 raise ConfigError(f"--{name}: give at least one value")
         for d in self.depths:
             parse_depth(d)
-        if any(lr <= 0 for lr in self.lrs):
-            raise ConfigError(f"--lrs: learning rates must be positive, got {self.lrs}")
+        if any(not (math.isfinite(lr) and lr > 0) for lr in self.lrs):
+            raise ConfigError(f"--lrs: learning rates must be positive and finite, got {self.lrs}")
         if any(w < 0 for w in self.warmups):
             raise ConfigError(f"--warmups: must be >= 0, got {self.warmups}")
         if self.max_updates < 1:
             raise ConfigError(f"--updates: must be positive, got {self.max_updates}")
+        if self.num_heads < 1 or self.model_dim % self.num_heads:
+            raise ConfigError(f"--heads {self.num_heads} does not divide --model-dim {self.model_dim}")
+        names = [c.name for c in self.cells()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # two processes would train into one run directory
+            raise ConfigError(f"the grid names cell {twice[0]} more than once: a value is repeated in --inits, "
+                              "--depths, --lrs or --warmups (1e-3 and 0.001 are the same rate)")
         return self
 
     def cells(self) -> list[Cell]:

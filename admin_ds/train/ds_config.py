@@ -22,12 +22,11 @@ defaults plus the keys the pipeline engine reads) and those a pydantic model val
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from typing import Any
 
 from admin_ds.errors import ConfigError
-from admin_ds.files import read_config_text
+from admin_ds.files import parse_json, read_config_text
 
 # Keys DeepSpeed's pipeline engine reads from the "pipeline" section (runtime/pipe/engine.py), and
 # the defaults DeepSpeed merges it into (runtime/config.py get_pipeline_config); "stages" is
@@ -110,13 +109,10 @@ def _type_name(value: Any) -> str:
 
 def read(path: str | os.PathLike) -> dict:
     """The JSON object in ``path``; a missing file, a directory, bytes that are not UTF-8, invalid
-    JSON or another top level are refused, naming the file (and the line). Needs neither torch nor
-    DeepSpeed, so launch/train.py refuses such a file before importing them."""
-    text = read_config_text(path, "--deepspeed_config", "DeepSpeed JSON file")
-    try:
-        ds = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    JSON, a key given twice, a number that is not finite or another top level are refused, naming
+    the file (and the line). Needs neither torch nor DeepSpeed, so launch/train.py refuses such a
+    file before importing them."""
+    ds = parse_json(read_config_text(path, "--deepspeed_config", "DeepSpeed JSON file"), path)
     if not isinstance(ds, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object, got {type(ds).__name__}")
     return ds

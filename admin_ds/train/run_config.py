@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from admin_ds.errors import ConfigError
-from admin_ds.files import read_config_text
+from admin_ds.files import parse_yaml, read_config_text
 from admin_ds.model.config import ModelConfig
 from admin_ds.model.presets import PRESET_NAMES, get_preset
 
@@ -232,7 +233,8 @@ def _coerce(value: Any, hint, name: str, origin: str, from_text: bool) -> Any:
     if hint is int:
         return value if isinstance(value, int) and not isinstance(value, bool) else fail("an integer")
     if hint is float:
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else fail("a number")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if ok else fail("a finite number")
     if hint is str:
         return value if isinstance(value, str) else fail("a string")
     if typing.get_origin(hint) is tuple:
@@ -275,13 +277,7 @@ def load_run_config(path: Optional[str], overrides: list[str]) -> RunConfig:
     cfg = RunConfig()
     if path:
         p = Path(path)
-        text = read_config_text(p, "--config", "YAML run config")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            line = f":{where.line + 1}" if where is not None else ""
-            raise ConfigError(f"{p}{line}: invalid YAML: {getattr(e, 'problem', None) or e}") from None
+        data = parse_yaml(read_config_text(p, "--config", "YAML run config"), p)
         merge_into(cfg, data or {}, str(p))
     cli: dict = {}
     for item in overrides:
