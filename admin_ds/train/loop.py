@@ -33,7 +33,7 @@ import torch
 
 from admin_ds import distributed, files
 from admin_ds.data import EpochBatchIterator
-from admin_ds.data.binarize import load_manifest, open_split, prepare_default_data
+from admin_ds.data.binarize import direction, load_manifest, open_split, prepare_default_data, reversed_manifest
 from admin_ds.errors import ConfigError
 from admin_ds.model.config import ModelConfig
 from admin_ds.model.profiling import Profile, omega_table
@@ -282,7 +282,7 @@ class Training:
         result = distributed.broadcast_object(result)
         if "error" in result:
             raise ConfigError(f"data.path: {result['error']}")
-        return result
+        return reversed_manifest(result) if self.run.data.reverse else result
 
     # ---- profiling -----------------------------------------------------------------------------
     def _given_profile(self) -> Optional[Profile]:
@@ -339,7 +339,8 @@ class Training:
             "run_config": self.run.to_dict(), "model_config": self.cfg.to_dict(),
             "profile": None if self.profile is None else self.profile.to_dict(),
             "train_state": vars(self.state).copy(), "data_state": self.iterator.state_dict(),
-            "subword_sha256": self.manifest.get("subword_sha256"), "layout": self.layout,
+            "subword_sha256": self.manifest.get("subword_sha256"), "direction": direction(self.manifest),
+            "layout": self.layout,
             "guard": self.guard.state_dict()}}
 
     def save(self) -> None:
