@@ -3,12 +3,12 @@
 
     python launch/atlas.py --raw-dir ../shared/data/multi30k --out runs/atlas          # Multi30k en-de
     python launch/atlas.py --data data/m30k --out runs/atlas --inits post pre admin deepnorm \\
-        --depths 6 18 36 60-12 --lrs 5e-4 1e-3 2e-3 --warmups 100 --updates 400
+        --depths 6 18 60-12 100-12 --lrs 1e-3 3e-3 --seeds 1 2 --updates 400   # 60+ layers: 2 pipeline stages
     python launch/atlas.py --scale gpu --data data/wmt14_en_de --out runs/atlas_gpu    # 512/2048/8, 18L, 60L-12L
     python launch/atlas.py ... --model.dropout_p=0.3      # any --section.key=value goes to every cell
 
-Every cell is an ordinary run of launch/train.py in OUT/cells/<init>_<depth>_lr<lr>_wu<warmup>/
-with the same data, hyper-parameters and seed; only the initialisation / residual form changes.
+Every cell is an ordinary run of launch/train.py in OUT/cells/<init>_<depth>_lr<lr>_wu<warmup>[_s<seed>]/
+with the same data, hyper-parameters and seeds; only the initialisation / residual form changes.
 Rerunning the command skips finished cells and resumes unfinished ones. Writes OUT/atlas.json,
 OUT/atlas.md and the plots. The grid, the outcome rules and the report:
 admin_ds/train/atlas.py and atlas_report.py.
@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid-interval", type=int_in(1), help="validation (and checkpoint) every N updates")
     p.add_argument("--bleu-sentences", type=int_in(0), help="validation sentences decoded for BLEU (0: all)")
     p.add_argument("--bleu-beam", type=int_in(1))
-    p.add_argument("--seed", type=int, help="the run seed of every cell (default 1)")
+    p.add_argument("--seeds", nargs="+", type=int_in(0), help="run seeds: every cell once per seed (default 1)")
+    p.add_argument("--pipeline-from", type=int_in(0), help="cells of this many layers or more (encoder + decoder) "
+                                                          "run as 2 pipeline stages on 2 ranks (default 60 with "
+                                                          "--scale cpu; 0: never)")
     p.add_argument("--deepspeed_config", help="engine JSON for every cell (default ds_configs/zero1.json; "
                                               "zero1_bf16.json with --scale gpu)")
     p.add_argument("--jobs", type=int_in(1), help="cells at a time (default: one per GPU, else 1)")
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
             args.scale, inits=args.inits, depths=args.depths, lrs=args.lrs, warmups=args.warmups,
             model_dim=args.model_dim, ffn_inner_dim=args.ffn_dim, num_heads=args.heads, max_updates=args.updates,
             max_tokens=args.max_tokens, valid_interval=args.valid_interval, bleu_sentences=args.bleu_sentences,
-            bleu_beam=args.bleu_beam, seed=args.seed, extra=extra, deepspeed_config=args.deepspeed_config)
+            bleu_beam=args.bleu_beam, seeds=args.seeds, pipeline_from=args.pipeline_from, extra=extra, deepspeed_config=args.deepspeed_config)
         if args.deepspeed_config is None:  # the scale's engine JSON, from wherever the command runs
             grid.deepspeed_config = os.path.relpath(HERE.parent / grid.deepspeed_config)
         out = Path(args.out)

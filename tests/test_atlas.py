@@ -136,6 +136,7 @@ def test_grid_cells_and_depths():
     cells = grid.cells()
     assert len(cells) == 8 and cells[0] == Cell("post", 6, 6, 1e-3, 100)
     assert cells[-1].name == "admin_60L-12L_lr0.002_wu100"
+    assert [c.stages for c in cells] == [1] * 4 + [2] * 4  # 72 layers >= the CPU grid's pipeline_from (60)
     assert parse_depth("60-12") == (60, 12) and parse_depth("18") == (18, 18)
     gpu = AtlasGrid.for_scale("gpu")
     assert (gpu.model_dim, gpu.ffn_inner_dim, gpu.num_heads, gpu.depths) == (512, 2048, 8, ["18", "60-12"])
@@ -144,7 +145,57 @@ def test_grid_cells_and_depths():
     assert "--model.model_dim=512" in args and not any(a.startswith("--train.bleu_max_sentences") for a in args)
 
 
+def test_seeds_and_pipeline_cells():
+    """Every cell once per seed (the seed in its name and command); cells of pipeline_from layers
+    or more on 2 ranks under torch.distributed.run, the others one process."""
+    from admin_ds.train.atlas import Atlas
+
+    grid = AtlasGrid.for_scale("cpu", inits=["admin"], depths=["2", "6-4"], lrs=[1e-3], seeds=[1, 7], pipeline_from=10)
+    names = [c.name for c in grid.cells()]
+    assert names == ["admin_2L-2L_lr0.001_wu100", "admin_2L-2L_lr0.001_wu100_s7",
+                     "admin_6L-4L_lr0.001_wu100", "admin_6L-4L_lr0.001_wu100_s7"]
+    atlas = Atlas.__new__(Atlas)
+    atlas.grid, atlas.data_dir, atlas.out, atlas.train_command = grid, REPO, REPO / "x", ["py", "train.py"]
+    shallow, deep = grid.cells()[1], grid.cells()[3]
+    assert atlas.command(shallow)[:2] == ["py", "train.py"]
+    assert "--train.seed=7" in atlas.command(shallow) and "--engine.pipeline_stages=1" in atlas.command(shallow)
+    assert atlas.command(deep)[:6] == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                       "train.py"]
+    assert "--engine.pipeline_stages=2" in atlas.command(deep)
+
+
+def test_curves_keep_the_last_value_of_a_repeated_update():
+    """A run resumed from its update-2 checkpoint logs updates 3 and 4 again: one value each, the
+    later one; the outcome is read from that curve."""
+    first = _records([(1, 12.0), (2, 11.0), (3, 50.0), (4, 60.0)], valid=[(4, 80.0)])
+    resumed = _records([(3, 10.0), (4, 9.0)], valid=[(4, 7.0)])
+    got = classify(first + resumed, warmup=1, unigram_bits=9.0)
+    assert [u for u, *_ in got["curve"]] == [1, 2, 3, 4]
+    assert [loss for _, loss, _ in got["curve"]] == [12.0, 11.0, 10.0, 9.0]
+    assert got["valid_curve"] == [[4, 7.0]] and got["outcome"] == "trained"
+
+
+@needs_data
+def test_a_pipeline_cell_with_two_seeds_through_the_command(tmp_path):
+    """A 2L-2L cell with --pipeline-from 4 runs as 2 pipeline stages on 2 ranks, once per seed;
+    the report gives the seeds' range."""
+    out = tmp_path / "atlas"
+    proc = atlas("--raw-dir", DATA / "multi30k", "--vocab-size", 1000, "--out", out, "--inits", "admin",
+                 "--depths", 2, "--lrs", 1e-3, "--updates", 2, "--valid-interval", 2, "--bleu-sentences", 3,
+                 "--max-tokens", 512, "--output-change-seeds", 0, "--pipeline-from", 4, "--seeds", 1, 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, seed in (("admin_2L-2L_lr0.001_wu100", 1), ("admin_2L-2L_lr0.001_wu100_s2", 2)):
+        run = json.loads((out / "cells" / name / "run_config.json").read_text())
+        assert (run["train"]["seed"], run["engine"]["pipeline_stages"]) == (seed, 2)
+        assert "data-parallel 1 x pipeline 2" in (out / "cells" / name / "train.log").read_text()
+    cells = json.loads((out / "atlas.json").read_text())["cells"]
+    assert len(cells) == 2 and cells[0]["best_valid_nll"] != cells[1]["best_valid_nll"]  # the seeds differ
+    row = next(line for line in (out / "atlas.md").read_text().splitlines() if line.startswith("| 2L-2L |"))
+    assert "-" in row.split("/")[0] and "(" in row  # mean (min-max) over the two seeds
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--seeds", "1", "1"], "error: --seeds: each seed once, got [1, 1]"),
     (["--depths", "6-x"], "error: --depths: expected N or N-M with positive integers (e.g. 18, 60-12), got '6-x'"),
     (["--lrs", "0"], "error: --lrs: learning rates must be positive, got [0.0]"),
     (["--data", "/nonexistent"], "error: --data: /nonexistent has no manifest.json"),

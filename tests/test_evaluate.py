@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -405,3 +406,33 @@ def test_small_inline_example_without_data():
                 result["chrf_signature"], result["ter_signature"])
     for fragment in expected:
         assert fragment in table
+
+
+def test_paired_bootstrap_matches_the_sacrebleu_cli(tmp_path):
+    """--compare against sacreBLEU's own command line (`sacrebleu REF -i BASE SYS --paired-bs`) on
+    the same files: each system's score, bootstrap mean, 95% interval and p-value, BLEU and chrF."""
+    sacrebleu_cli = shutil.which("sacrebleu") or str(Path(sys.executable).parent / "sacrebleu")
+    rng = random.Random(3)
+    refs = [f"Ein {w} sieht {v} den {o} an ." for w in ("Hund", "Mann", "Kind", "Vogel") for v in ("heute", "oft", "nie")
+            for o in ("Ball", "Baum", "Fluss", "Berg", "Himmel")] * 3
+    base = [r if rng.random() < 0.5 else "Ein Hund ." for r in refs]
+    better = [r if rng.random() < 0.8 else "Ein Mann sieht den Berg ." for r in refs]
+    paths = {n: write_lines(tmp_path / f"{n}.de", lines) for n, lines in
+             (("ref", refs), ("base", base), ("better", better), ("same", base))}
+    out = run_cli("--hyp", str(paths["base"]), "--ref", str(paths["ref"]), "--lang", "en-de", "--json",
+                  "--compare", str(paths["better"]), str(paths["same"]), "--bootstrap-samples", "200")
+    assert out.returncode == 0, out.stderr
+    ours = json.loads(out.stdout)["paired_bootstrap"]["systems"]
+    theirs = subprocess.run([sacrebleu_cli, str(paths["ref"]), "-i", str(paths["base"]), str(paths["better"]),
+                             "-m", "bleu", "chrf", "--paired-bs", "--paired-bs-n", "200", "-f", "text"],
+                            capture_output=True, text=True, timeout=120, check=True).stdout
+    cells = re.findall(r"([\d.]+) \(([\d.]+) ± ([\d.]+)\)", theirs)
+    p_values = re.findall(r"\(p = ([\d.]+)\)", theirs)
+    assert len(cells) == 4 and len(p_values) == 2, theirs
+    for k, (system, metric) in enumerate((s, m) for s in (0, 1) for m in ("bleu", "chrf")):
+        got = ours[system][metric]
+        assert [f"{got[key]:.1f}" for key in ("score", "mean", "ci95")] == list(cells[k])
+    assert [f"{ours[1][m]['p_value']:.4f}" for m in ("bleu", "chrf")] == p_values
+    assert ours[1]["bleu"]["p_value"] < 0.05
+    assert ours[2]["bleu"]["score"] == ours[0]["bleu"]["score"]  # a copy of the baseline scores as the baseline
+    assert ours[0]["name"] == str(paths["base"]) and ours[0]["bleu"]["p_value"] is None

@@ -17,20 +17,37 @@ import pytest
 from distributed import REPO
 
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-# The module whose argument parser each entry point of the README uses.
+# The documents whose commands are checked: the front page, the training guide and every recipe.
+DOCS = ["README.md", "docs/training.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs/recipes").glob("*.md"))]
+# The module whose argument parser each entry point uses (a script, or a module run with -m).
 ENTRY = {"launch/train.py": "launch/train.py", "launch/translate.py": "launch/translate.py",
          "launch/average_checkpoints.py": "launch/average_checkpoints.py", "launch/export.py": "launch/export.py",
          "launch/evaluate.py": "launch/evaluate.py", "launch/models.py": "launch/models.py",
          "launch/analyze.py": "launch/analyze.py", "launch/cluster_env.py": "launch/cluster_env.py",
-         "data_prep/prepare_wmt14.sh": "data_prep.prepare", "data_prep/backtranslate.sh": "data_prep.backtranslate"}
+         "launch/atlas.py": "launch/atlas.py",
+         "data_prep/prepare_wmt14.sh": "data_prep.prepare", "data_prep/backtranslate.sh": "data_prep.backtranslate",
+         "data_prep.prepare": "data_prep.prepare", "data_prep.backtranslate": "data_prep.backtranslate"}
 
 
-def readme_commands() -> list[list[str]]:
-    """The shell commands of the README's indented code blocks, continuation lines joined."""
-    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
-    commands, current = [], ""
+def code_lines(path: str) -> list[str]:
+    """The lines of a Markdown file's shell code: fenced ```bash blocks and indented blocks."""
+    lines, out, fence = (REPO / path).read_text(encoding="utf-8").splitlines(), [], None
     for line in lines:
-        if not line.startswith("    ") or line.strip().startswith("#"):
+        if line.startswith("```"):
+            fence = None if fence is not None else line[3:].strip()
+            continue
+        if fence is not None:
+            out.append(line if fence in ("bash", "sh", "") else "")
+        else:
+            out.append(line[4:] if line.startswith("    ") else "")
+    return out
+
+
+def doc_commands(path: str) -> list[list[str]]:
+    """The shell commands of one document, continuation lines joined."""
+    commands, current = [], ""
+    for line in code_lines(path):
+        if not line.strip() or line.strip().startswith("#"):
             current = ""
             continue
         text = current + line.strip()
@@ -41,11 +58,15 @@ def readme_commands() -> list[list[str]]:
         text = re.sub(r"\s+#.*$", "", text)  # a trailing comment
         text = text.replace("[", "").replace("]", "")  # optional parts: [--json]
         if not any(entry in text for entry in ENTRY) and ".sbatch " not in text:
-            continue  # not a command (the layout listing, a table)
+            continue  # not a command (a log excerpt, a listing)
         tokens = shlex.split(text)
         if any(t in ENTRY or t.endswith(".sbatch") for t in tokens):
             commands.append(tokens)
     return commands
+
+
+def readme_commands() -> list[list[str]]:
+    return [cmd for path in DOCS for cmd in doc_commands(path)]
 
 
 COMMANDS = readme_commands()
@@ -99,7 +120,12 @@ def test_the_readme_has_commands_for_every_entry_point():
 @pytest.mark.parametrize("entry", sorted(ENTRY))
 def test_every_entry_point_starts_from_the_install(entry):
     """`--help` in a fresh process: the script's imports resolve with the installed requirements."""
-    cmd = ["bash", str(REPO / entry)] if entry.endswith(".sh") else [sys.executable, str(REPO / entry)]
+    if entry.endswith(".sh"):
+        cmd = ["bash", str(REPO / entry)]
+    elif entry.endswith(".py"):
+        cmd = [sys.executable, str(REPO / entry)]
+    else:
+        cmd = [sys.executable, "-m", entry]
     if entry == "launch/models.py":
         cmd.append("list")
     out = subprocess.run([*cmd, "--help"], capture_output=True, text=True, env=ENV, timeout=300, cwd=REPO)
@@ -134,3 +160,23 @@ def test_readme_command_uses_real_options_and_files(cmd):
     for word in words:
         if word.startswith(("ds_configs/", "launch/configs/")):
             assert (REPO / word).is_file(), f"the README names {word}, which does not exist"
+
+
+def test_the_front_page_is_short_and_its_links_resolve():
+    """The README is a front page (<= ~150 lines); every relative link of it and of the docs it
+    points to names a file of the repository."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "docs/recipes").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)\)", path.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            assert (path.parent / target).exists(), f"{path.relative_to(REPO)} links to {target}, which does not exist"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_document_names_files_that_exist(doc):
+    """Repository paths in a document's code (scripts, configs, JSONs) exist."""
+    for line in code_lines(doc):
+        for word in re.findall(r"(?:launch|ds_configs|data_prep|bench)/[\w./-]+\.(?:py|sh|json|yaml|sbatch)", line):
+            assert (REPO / word).is_file(), f"{doc} names {word}, which does not exist"

@@ -144,6 +144,28 @@ def test_kill_and_resume_continues_identically(tmp_path, data_dir):
         assert resumed[u] == pytest.approx(ref[u], rel=1e-6), (u, resumed[u], ref[u])
 
 
+def test_reverse_trains_the_other_direction_and_keeps_it_on_resume(tmp_path, data_dir):
+    """data.reverse=true: the same directory read target -> source. The model's first batch is the
+    forward batch with its sides swapped, the end-of-run decode writes source-language text, and a
+    resume that flips the direction is refused."""
+    from admin_ds.data.binarize import load_manifest, open_split, reversed_manifest
+
+    manifest = load_manifest(data_dir)
+    forward, backward = open_split(data_dir, "valid", manifest), open_split(data_dir, "valid", reversed_manifest(manifest))
+    for i in (0, len(forward) // 2, len(forward) - 1):
+        assert [t.tolist() for t in backward[i]] == [t.tolist() for t in reversed(forward[i])]
+    run = tmp_path / "rev"
+    _train_cli(run, data_dir, 3, extra=["--data.reverse=true", "--train.final_eval=true",
+                                        "--train.bleu_max_sentences=4", "--train.bleu_beam=1"])
+    src, tgt = manifest["src_lang"], manifest["tgt_lang"]
+    assert (run / f"test.hyp.{src}").is_file() and not (run / f"test.hyp.{tgt}").exists()
+    assert len((run / f"test.hyp.{src}").read_text(encoding="utf-8").splitlines()) == 4
+    out = _train_cli(run, data_dir, 4, extra=["--data.reverse=false"], wait=False)
+    text, _ = out.communicate(timeout=600)
+    assert out.returncode == 2, text[-2000:]
+    assert "data.reverse" in text and f"{tgt}-{src}" in text and "Traceback" not in text
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 

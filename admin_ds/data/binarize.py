@@ -101,6 +101,19 @@ def check_listed_files(data_dir: str | os.PathLike, manifest: dict, verify=None)
                              "(modified or corrupt; re-run the data preparation)")
 
 
+def reversed_manifest(manifest: dict) -> dict:
+    """The manifest of the same directory read in the other direction: source and target swapped
+    (languages and per-split token counts); the files and the subword model are the same."""
+    out = dict(manifest, src_lang=manifest["tgt_lang"], tgt_lang=manifest["src_lang"])
+    out["splits"] = {name: dict(split, src_tokens=split.get("tgt_tokens"), tgt_tokens=split.get("src_tokens"))
+                     for name, split in manifest.get("splits", {}).items()}
+    return out
+
+
+def direction(manifest: dict) -> str:
+    return f"{manifest['src_lang']}-{manifest['tgt_lang']}"
+
+
 def open_split(data_dir: str | os.PathLike, split: str, manifest: dict) -> ParallelDataset:
     data_dir = Path(data_dir)
     if split not in manifest["splits"]:

@@ -58,6 +58,7 @@ import torch
 
 from admin_ds import files, safe_load
 from admin_ds.checkpoint_format import COMPLETE, ds_to_universal, is_complete, newest_verified, read_info, verify
+from admin_ds.data.binarize import reversed_manifest
 from admin_ds.errors import CheckpointError
 from admin_ds.model.config import ModelConfig
 
@@ -293,6 +294,8 @@ def _subword_bytes(run_dir: Path, run_config: Optional[dict], expected_sha: Opti
     data_dir = Path(data_path) if data_path else run_dir / "data"
     manifest_path = data_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if manifest and (run_config or {}).get("data", {}).get("reverse"):
+        manifest = reversed_manifest(manifest)
     spm_path = data_dir / manifest.get("subword_model", "spm.model")
     if not spm_path.is_file():
         raise ModelFileError(f"{spm_path}: the run's subword model is missing (data.path="

@@ -324,3 +324,41 @@ def format_table(result: Mapping[str, Any]) -> str:
         f"tok {result['tok_bleu_detail']}",
     ]
     return "\n".join(out)
+
+
+def paired_bootstrap(baseline: Sequence[str], systems: Mapping[str, Sequence[str]], refs: Sequence[str],
+                     samples: int = 1000, baseline_name: str = "baseline") -> dict[str, Any]:
+    """sacreBLEU's paired bootstrap resampling (Koehn 2004), BLEU and chrF: every system against
+    ``baseline`` on the same resampled segments. Returns, per system (the baseline first), each
+    metric's score, the bootstrap mean and 95% confidence half-width, and the p-value of the
+    difference from the baseline (None for the baseline), with sacreBLEU's signatures."""
+    from sacrebleu.significance import PairedTest
+
+    named = [("baseline", list(baseline)), *((name, list(hyps)) for name, hyps in systems.items())]
+    test = PairedTest(named, {"BLEU": BLEU(), "chrF": CHRF()}, references=[list(refs)], test_type="bs",
+                      n_samples=samples)
+    signatures, results = test()
+    out = {"samples": samples, "signatures": {k: str(v) for k, v in signatures.items()}, "systems": []}
+    for k, name in enumerate(results["System"]):
+        row = {"name": baseline_name if k == 0 else name}
+        for metric in ("BLEU", "chrF2"):
+            r = results[metric][k]
+            row[metric.rstrip("2").lower()] = {"score": float(r.score), "mean": float(r.mean), "ci95": float(r.ci),
+                                               "p_value": None if r.p_value is None else float(r.p_value)}
+        out["systems"].append(row)
+    return out
+
+
+def format_paired(result: Mapping[str, Any]) -> str:
+    """A :func:`paired_bootstrap` result as a table: score, bootstrap mean +- 95% interval, p-value."""
+    lines = [f"paired bootstrap, {result['samples']} samples; p: the difference from the baseline",
+             f"{'system':<24} {'BLEU':>7} {'mean +- 95%':>15} {'p':>7}   {'chrF':>7} {'mean +- 95%':>15} {'p':>7}"]
+    for row in result["systems"]:
+        cells = []
+        for metric in ("bleu", "chrf"):
+            m = row[metric]
+            p = "-" if m["p_value"] is None else f"{m['p_value']:.4f}"
+            cells.append(f"{m['score']:>7.2f} {m['mean']:>7.2f} +- {m['ci95']:<5.2f} {p:>7}")
+        lines.append(f"{row['name'][:24]:<24} " + "   ".join(cells))
+    lines += [f"{k}: {v}" for k, v in result["signatures"].items()]
+    return "\n".join(lines)

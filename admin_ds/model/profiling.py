@@ -16,8 +16,10 @@ Two formulas (ADMIN_NOTES.md section 2), both over one forward pass in train mod
 
 Statistics are kept as (sum, sum of squares, count) in float64. That makes them exactly
 reducible across ranks: with a ``reduce_fn`` that all-reduces a float64 vector over the
-data-parallel group, every rank gets the statistics of the concatenated batch and so the same
-omega as one process profiling that batch. Because omega_{i+1} depends on omega_i, the reduction
+data-parallel group, every rank gets the pooled statistics of all ranks' micro-batches and so the
+same omega. That omega equals one process profiling the same micro-batches only where dropout
+draws the same masks (dropout off): each micro-batch padded to its own length when padding is
+counted (the default, as the reference does), their concatenation with ``mask_padding``. Because omega_{i+1} depends on omega_i, the reduction
 happens sub-layer by sub-layer inside the pass (one small all-reduce per sub-layer).
 
 The result is a ``Profile``: per-sub-layer variances and omega with provenance (formula, tokens,

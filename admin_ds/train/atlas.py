@@ -7,10 +7,13 @@
 The Admin paper's protocol (Liu et al. 2020, section 3): identical data, hyper-parameters and
 seeds in every cell; only the residual form and initialisation change (``INIT_VARIANTS``: post,
 pre, admin, admin-constant, deepnorm, t-fixup). A cell is one (init, depth, learning rate,
-warmup) run of the ordinary training command in its own run directory under
+warmup, seed) run of the ordinary training command in its own run directory under
 ``OUT/cells/<name>/``, so it resumes like any run; a cell whose ``summary.json`` exists is done
 and skipped. Cells run as separate processes, ``jobs`` at a time: one per GPU (pinned with
-``CUDA_VISIBLE_DEVICES``), or on a CPU sequentially unless asked otherwise. The divergence guard
+``CUDA_VISIBLE_DEVICES``), or on a CPU sequentially unless asked otherwise. A cell of
+``pipeline_from`` layers or more (encoder + decoder) runs as 2 pipeline stages on 2 ranks
+(``torch.distributed.run``), so the deep cells exercise pipeline parallelism and distributed
+profiling; its batches and updates are those of a one-rank cell. The divergence guard
 is off in every cell (``guard.spike_factor=0``, ``guard.max_consecutive_nonfinite=0``): its
 rollbacks lower the learning rate, which would change the hyper-parameters of the cell that
 needs it most. BLEU is measured on the validation split (``data.test_split=valid``).
@@ -28,6 +31,9 @@ A cell's outcome (``classify``), from its metrics.jsonl:
     failed     the run ended with an error (its error line is kept)
     unfinished the run stopped before its last update without an error (killed, or still
                running); rerunning the command resumes it
+
+A run that resumed or rolled back logs some updates twice; the curves keep one value per update,
+the last written.
 
 The unigram cross-entropy is the target side of the validation split scored with the training
 split's target token frequencies (add-one smoothed), EOS included, in bits: the same units as the
@@ -61,11 +67,11 @@ SCALES: dict[str, dict] = {
     "cpu": dict(inits=["post", "pre", "admin"], depths=["6", "18"], lrs=[1e-3, 3e-3, 1e-2], warmups=[100],
                 preset="debug-tiny", model_dim=64, ffn_inner_dim=256, num_heads=4, max_updates=300,
                 max_tokens=2048, valid_interval=100, bleu_sentences=200, bleu_beam=1,
-                deepspeed_config="ds_configs/zero1.json"),
+                deepspeed_config="ds_configs/zero1.json", pipeline_from=60),
     "gpu": dict(inits=["post", "pre", "admin"], depths=["18", "60-12"], lrs=[5e-4, 1e-3], warmups=[4000],
                 preset="base-6L-6L", model_dim=512, ffn_inner_dim=2048, num_heads=8, max_updates=20000,
                 max_tokens=4096, valid_interval=1000, bleu_sentences=0, bleu_beam=4,
-                deepspeed_config="ds_configs/zero1_bf16.json"),
+                deepspeed_config="ds_configs/zero1_bf16.json", pipeline_from=0),
 }
 
 
@@ -88,6 +94,8 @@ class Cell:
     decoder_layers: int
     lr: float
     warmup: int
+    seed: int = 1
+    stages: int = 1  # pipeline stages, one rank each
 
     @property
     def depth(self) -> str:
@@ -95,7 +103,7 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"{self.init}_{self.depth}_lr{self.lr:g}_wu{self.warmup}"
+        return f"{self.init}_{self.depth}_lr{self.lr:g}_wu{self.warmup}" + (f"_s{self.seed}" if self.seed != 1 else "")
 
 
 @dataclass
@@ -116,7 +124,8 @@ class AtlasGrid:
     bleu_sentences: int  # validation sentences decoded for BLEU; 0: all
     bleu_beam: int
     deepspeed_config: str
-    seed: int = 1
+    seeds: list[int] = field(default_factory=lambda: [1])  # run seeds: one cell per seed
+    pipeline_from: int = 0  # cells with this many layers or more run as 2 pipeline stages; 0: never
     extra: list[str] = field(default_factory=list)  # more --section.key=value for every cell
 
     @classmethod
@@ -130,7 +139,7 @@ class AtlasGrid:
         unknown = [i for i in self.inits if i not in INIT_VARIANTS]
         if unknown:
             raise ConfigError(f"--inits: unknown {', '.join(unknown)}; known: {', '.join(INIT_VARIANTS)}")
-        for name in ("inits", "depths", "lrs", "warmups"):
+        for name in ("inits", "depths", "lrs", "warmups", "seeds"):
             if not getattr(self, name):
                 raise ConfigError(f"--{name}: give at least one value")
         for d in self.depths:
@@ -139,6 +148,10 @@ class AtlasGrid:
             raise ConfigError(f"--lrs: learning rates must be positive and finite, got {self.lrs}")
         if any(w < 0 for w in self.warmups):
             raise ConfigError(f"--warmups: must be >= 0, got {self.warmups}")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"--seeds: each seed once, got {self.seeds}")
+        if self.pipeline_from < 0:
+            raise ConfigError(f"--pipeline-from: must be >= 0 (0: no pipeline cells), got {self.pipeline_from}")
         if self.max_updates < 1:
             raise ConfigError(f"--updates: must be positive, got {self.max_updates}")
         if self.num_heads < 1 or self.model_dim % self.num_heads:
@@ -151,9 +164,14 @@ class AtlasGrid:
         return self
 
     def cells(self) -> list[Cell]:
-        """Every combination, shallow to deep, each init at each setting in turn."""
-        return [Cell(init, *parse_depth(d), float(lr), int(w))
-                for d in self.depths for lr in self.lrs for w in self.warmups for init in self.inits]
+        """Every combination, shallow to deep, each init at each setting and seed in turn."""
+        cells = []
+        for d in self.depths:
+            enc, dec = parse_depth(d)
+            stages = 2 if self.pipeline_from and enc + dec >= self.pipeline_from else 1
+            cells += [Cell(init, enc, dec, float(lr), int(w), int(seed), stages)
+                      for seed in self.seeds for lr in self.lrs for w in self.warmups for init in self.inits]
+        return cells
 
     def overrides(self, cell: Cell, data_dir: Path, run_dir: Path) -> list[str]:
         """The cell's training command line: the shared settings, then what the cell varies."""
@@ -161,7 +179,7 @@ class AtlasGrid:
         variant = INIT_VARIANTS[cell.init]
         return [
             "--deepspeed_config", self.deepspeed_config,
-            f"--data.path={data_dir}", f"--train.run_dir={run_dir}", f"--train.seed={self.seed}",
+            f"--data.path={data_dir}", f"--train.run_dir={run_dir}",
             f"--model.preset={self.preset}", f"--model.model_dim={self.model_dim}",
             f"--model.ffn_inner_dim={self.ffn_inner_dim}", f"--model.num_heads={self.num_heads}",
             f"--data.max_tokens={self.max_tokens}", f"--train.max_updates={self.max_updates}",
@@ -173,7 +191,8 @@ class AtlasGrid:
             *self.extra,
             f"--model.init={variant['init']}", f"--model.norm_order={variant['norm_order']}",
             f"--model.num_encoder_layers={cell.encoder_layers}", f"--model.num_decoder_layers={cell.decoder_layers}",
-            f"--optim.lr={cell.lr}", f"--optim.warmup_updates={cell.warmup}",
+            f"--optim.lr={cell.lr}", f"--optim.warmup_updates={cell.warmup}", f"--train.seed={cell.seed}",
+            f"--engine.pipeline_stages={cell.stages}",
         ]
 
 
@@ -191,8 +210,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def classify(records: list[dict], warmup: int, unigram_bits: float, finished: bool = True) -> dict:
     """A cell's outcome and the numbers behind it (module docstring), from its metrics records."""
-    train = [(r["update"], r["loss"], r["nll"]) for r in records if r["kind"] == "train"]
-    valid = [(r["update"], r["nll"]) for r in records if r["kind"] == "valid"]
+    train = sorted(_last_per_update(records, "train", ("loss", "nll")).items())
+    train = [(u, loss, nll) for u, (loss, nll) in train]
+    valid = [(u, nll) for u, (nll,) in sorted(_last_per_update(records, "valid", ("nll",)).items())]
     skipped = sum(1 for r in records if r["kind"] == "skip")
     bleu = next((r for r in reversed(records) if r["kind"] == "test"), None)
     result = {"curve": [[u, loss, nll] for u, loss, nll in train], "valid_curve": [[u, nll] for u, nll in valid],
@@ -220,6 +240,11 @@ def classify(records: list[dict], warmup: int, unigram_bits: float, finished: bo
     else:
         result["outcome"], result["reason"] = "trained", ""
     return result
+
+
+def _last_per_update(records: list[dict], kind: str, keys: tuple[str, ...]) -> dict[int, tuple]:
+    """One value per update, the last written: a resumed or rolled-back run repeats updates."""
+    return {r["update"]: tuple(r[k] for k in keys) for r in records if r["kind"] == kind}
 
 
 def unigram_bits(data_dir: Path) -> float:
@@ -280,7 +305,13 @@ class Atlas:
         return self.out / CELLS_DIR / cell.name
 
     def command(self, cell: Cell) -> list[str]:
-        return self.train_command + self.grid.overrides(cell, self.data_dir, self.cell_dir(cell).resolve())
+        """One process, or for a pipeline cell one rank per stage under torch.distributed.run
+        (``--standalone`` picks a free port, so cells can run side by side)."""
+        launch = self.train_command
+        if cell.stages > 1:
+            launch = [launch[0], "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cell.stages}",
+                      *launch[1:]]
+        return launch + self.grid.overrides(cell, self.data_dir, self.cell_dir(cell).resolve())
 
     def run(self, jobs: Optional[int] = None, poll_s: float = 1.0) -> dict[str, int]:
         """Run every unfinished cell, ``jobs`` processes at a time; returns the cells' exit status
@@ -302,8 +333,8 @@ class Atlas:
                 env = dict(os.environ)
                 if gpus:
                     env["CUDA_VISIBLE_DEVICES"] = str(gpus[slot % len(gpus)])
-                elif jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
-                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+                elif (jobs > 1 or cell.stages > 1) and "OMP_NUM_THREADS" not in os.environ:
+                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (jobs * cell.stages)))
                 logf = open(d / "train.log", "a")
                 proc = subprocess.Popen(self.command(cell), stdout=logf, stderr=subprocess.STDOUT, env=env)
                 running[slot] = (cell, proc, time.time(), logf)

@@ -7,6 +7,7 @@
     loss_curves.png     training nll per depth (columns) and learning-rate/warmup setting (rows),
                         one line per init
     valid_vs_depth.png  best validation nll and validation BLEU vs depth, one line per init and setting
+                        (the mean over seeds; bars: their range)
     omega_admin.png     Admin's profiled omega per sub-layer, encoder and decoder, one line per depth
     output_change.png   Theorem 2's output change at initialisation vs depth, next to the share of
                         the grid's learning rates at which each init trained
@@ -62,9 +63,19 @@ def _depths(result: dict) -> list[str]:
     return seen
 
 
-def _cell(result: dict, init: str, depth: str, lr: float, warmup: int) -> Optional[dict]:
-    return next((c for c in result["cells"] if c["init"] == init and c["depth"] == depth
-                 and c["lr"] == lr and c["warmup"] == warmup), None)
+def _cells(result: dict, init: str, depth: str, lr: float, warmup: int) -> list[dict]:
+    """The cell's runs, one per seed (those that exist)."""
+    return [c for c in result["cells"] if c["init"] == init and c["depth"] == depth and c["lr"] == lr
+            and c["warmup"] == warmup and c["outcome"] != "missing"]
+
+
+def _spread(values: list, digits: int) -> str:
+    """The mean, and with several seeds their range: ``4.12 (4.10-4.15)``."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = f"{sum(values) / len(values):.{digits}f}"
+    return mean if len(values) == 1 else f"{mean} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,14 +94,17 @@ def format_markdown(result: dict, command: str, plots: dict[str, Path]) -> str:
         f"- data: `{result['data_dir']}`; unigram cross-entropy of the validation targets "
         f"{result['unigram_bits']:.2f} bits",
         f"- every cell: preset {g['preset']} width {g['model_dim']}/{g['ffn_inner_dim']}/{g['num_heads']}, "
-        f"{g['max_updates']} updates of <= {g['max_tokens']} tokens, seed {g['seed']}, engine "
-        f"`{g['deepspeed_config']}`" + (f", `{' '.join(g['extra'])}`" if g["extra"] else ""),
+        f"{g['max_updates']} updates of <= {g['max_tokens']} tokens, seed(s) {', '.join(map(str, g['seeds']))}, "
+        f"engine `{g['deepspeed_config']}`" + (f", `{' '.join(g['extra'])}`" if g["extra"] else "")
+        + (f"; cells of {g['pipeline_from']} layers or more as 2 pipeline stages on 2 ranks"
+           if g.get("pipeline_from") else ""),
         f"- outcome: {MARKS['trained']} trained, {MARKS['stalled']} stalled (best validation nll within "
         f"{result['stall_margin_bits']} bits of the unigram model or above), {MARKS['diverged']} diverged "
         f"(non-finite, or final loss above the end-of-warmup loss), {MARKS['failed']} failed (error), "
         f"{MARKS['unfinished']} unfinished (stopped without an error; a rerun resumes it). "
-        "Each cell: outcome, best validation nll (bits), validation BLEU "
-        f"({g['bleu_sentences'] or 'all'} sentences, beam {g['bleu_beam']})",
+        "Each cell: the outcome of every seed, best validation nll (bits), validation BLEU "
+        f"({g['bleu_sentences'] or 'all'} sentences, beam {g['bleu_beam']}); with several seeds the mean "
+        "and, in brackets, the range over seeds",
         "",
     ]
     for lr, warmup in _settings(result):
@@ -99,13 +113,14 @@ def format_markdown(result: dict, command: str, plots: dict[str, Path]) -> str:
         for depth in depths:
             row = []
             for init in inits:
-                c = _cell(result, init, depth, lr, warmup)
-                if c is None or c["outcome"] == "missing":
+                runs = _cells(result, init, depth, lr, warmup)
+                if not runs:
                     row.append("")
                     continue
-                nll = "-" if c.get("best_valid_nll") is None else f"{c['best_valid_nll']:.2f}"
-                bleu = "-" if c.get("bleu") is None else f"{c['bleu']:.1f}"
-                row.append(f"{MARKS[c['outcome']]} {nll} / {bleu}")
+                marks = "".join(MARKS[c["outcome"]] for c in runs)
+                nll = _spread([c.get("best_valid_nll") for c in runs], 2)
+                bleu = _spread([c.get("bleu") for c in runs], 1)
+                row.append(f"{marks} {nll} / {bleu}")
             lines.append(f"| {depth} | " + " | ".join(row) + " |")
         lines.append("")
     oc = result.get("output_change")
@@ -178,10 +193,11 @@ def plot_loss_curves(result: dict, path: Path) -> Path:
         for k, depth in enumerate(depths):
             ax = axes[r][k]
             for init in result["grid"]["inits"]:
-                c = _cell(result, init, depth, lr, warmup)
-                if c and c.get("curve"):
+                runs = [c for c in _cells(result, init, depth, lr, warmup) if c.get("curve")]
+                for k_seed, c in enumerate(runs):  # one line per seed, the init's colour
                     u, nll = smoothed([r[0] for r in c["curve"]], [r[2] for r in c["curve"]])
-                    ax.plot(u, nll, color=COLORS.get(init), label=f"{init} {MARKS[c['outcome']]}")
+                    label = f"{init} " + "".join(MARKS[r["outcome"]] for r in runs) if k_seed == 0 else None
+                    ax.plot(u, nll, color=COLORS.get(init), alpha=1.0 if k_seed == 0 else 0.6, label=label)
             ax.axhline(result["unigram_bits"], color="grey", ls=":", lw=1)
             ax.set_title(f"{depth}, lr {lr:g}, warmup {warmup}", fontsize=9)
             _style(ax, "update", "training nll (bits)" if k == 0 else None)
@@ -198,11 +214,14 @@ def plot_valid_vs_depth(result: dict, path: Path) -> Path:
     styles = ["-", "--", ":", "-."]
     for s, (lr, warmup) in enumerate(_settings(result)):
         for init in result["grid"]["inits"]:
-            cells = [_cell(result, init, d, lr, warmup) for d in depths]
+            per_depth = [_cells(result, init, d, lr, warmup) for d in depths]
             for ax, key in zip(axes, ("best_valid_nll", "bleu")):
-                y = [float("nan") if c is None or c.get(key) is None else c[key] for c in cells]
-                ax.plot(x, y, marker="o", ls=styles[s % len(styles)], color=COLORS.get(init),
-                        label=f"{init}, lr {lr:g}/wu {warmup}")
+                values = [[c[key] for c in runs if c.get(key) is not None] for runs in per_depth]
+                y = [sum(v) / len(v) if v else float("nan") for v in values]
+                low = [y_ - min(v) if v else 0.0 for y_, v in zip(y, values)]  # the seeds' range
+                high = [max(v) - y_ if v else 0.0 for y_, v in zip(y, values)]
+                ax.errorbar(x, y, yerr=[low, high], marker="o", ls=styles[s % len(styles)], capsize=3,
+                            color=COLORS.get(init), label=f"{init}, lr {lr:g}/wu {warmup}")
     for ax, label in zip(axes, ("best validation nll (bits)", "validation BLEU")):
         _style(ax, "depth", label, depths, legend=ax is axes[1])
     axes[0].axhline(result["unigram_bits"], color="grey", ls=":", lw=1)
@@ -240,15 +259,15 @@ def plot_output_change(result: dict, path: Path) -> Optional[Path]:
                          color=COLORS.get(init), label=init)
         share = []
         for d in depths:
-            cells = [_cell(result, init, d, lr, w) for lr, w in settings]
-            share.append(sum(1 for c in cells if c and c["outcome"] == "trained") / len(settings))
+            runs = [c for lr, w in settings for c in _cells(result, init, d, lr, w)]
+            share.append(sum(1 for c in runs if c["outcome"] == "trained") / max(1, len(runs)))
         axes[1].plot(x, share, marker="o", color=COLORS.get(init), label=init)
     axes[0].set_yscale("log")
     axes[0].set_title(f"Theorem 2: |F(W) - F(W + delta)|^2, sigma {oc['sigma']}", fontsize=9)
     _style(axes[0], "depth", "output change at init (per token)", depths)
     axes[1].set_ylim(-0.05, 1.05)
-    axes[1].set_title(f"training outcome over {len(settings)} lr/warmup setting(s)", fontsize=9)
-    _style(axes[1], "depth", "share of learning rates that trained", depths)
+    axes[1].set_title(f"training outcome over {len(settings)} lr/warmup setting(s) and the seeds", fontsize=9)
+    _style(axes[1], "depth", "share of runs that trained", depths)
     return _save(fig, path)
 
 

@@ -138,6 +138,10 @@ def check_compatible(where: str, info: dict, model_cfg, manifest: dict) -> None:
                           f"{manifest.get('subword_model')} (sha256 {str(info['subword_sha256'])[:12]}.. vs "
                           f"{str(manifest.get('subword_sha256'))[:12]}..); use the checkpoint's data or a new "
                           "train.run_dir")
+    saved, now = info.get("direction"), f"{manifest.get('src_lang')}-{manifest.get('tgt_lang')}"
+    if saved is not None and saved != now:
+        raise ConfigError(f"{where}: the checkpoint translates {saved}, the run config {now} (data.reverse); "
+                          "a run keeps its direction: use the same data.reverse or a new train.run_dir")
 
 
 def plan_resume(where: Path, tag: str, info: dict, current: dict) -> ResumePlan:
@@ -327,7 +331,7 @@ class CheckpointManager:
         if distributed.rank() == 0:
             ours = client_state.get("admin_ds", {})
             info = {"update": update, "time": time.time(), "world_size": distributed.world_size(),
-                    **{k: ours[k] for k in ("layout", "model_config", "subword_sha256") if k in ours},
+                    **{k: ours[k] for k in ("layout", "model_config", "subword_sha256", "direction") if k in ours},
                     "files": written}
             try:
                 files.write_text(tag_dir / COMPLETE, json.dumps(info) + "\n")

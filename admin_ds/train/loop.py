@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from admin_ds import distributed, files
-from admin_ds.data.binarize import load_manifest, prepare_default_data
+from admin_ds.data.binarize import direction, load_manifest, prepare_default_data, reversed_manifest
 from admin_ds.errors import ConfigError
 from admin_ds.model.config import ModelConfig
 from admin_ds.model.profiling import Profile, omega_table
@@ -196,9 +196,9 @@ def data_directory(run: RunConfig, run_dir: Path, rank: int, log: RunLog) -> Pat
     return out
 
 
-def read_manifest(data_dir: Path, rank: int) -> dict:
+def read_manifest(data_dir: Path, rank: int, reverse: bool = False) -> dict:
     """The data directory's manifest, checksummed once by rank 0 (the others read the same
-    directory). Collective."""
+    directory), read target -> source with ``reverse`` (data.reverse). Collective."""
     result = None
     if rank == 0:
         try:
@@ -208,7 +208,7 @@ def read_manifest(data_dir: Path, rank: int) -> dict:
     result = distributed.broadcast_object(result)
     if "error" in result:
         raise ConfigError(f"data.path: {result['error']}")
-    return result
+    return reversed_manifest(result) if reverse else result
 
 
 def given_profile(path: Optional[str], cfg: ModelConfig) -> Optional[Profile]:
@@ -262,7 +262,7 @@ class Training:
                       f"x data-parallel {dp} = up to {run.data.max_tokens * gas * dp} tokens per update")
 
         self.data_dir = data_directory(run, self.run_dir, self.rank, self.log)
-        self.manifest = read_manifest(self.data_dir, self.rank)
+        self.manifest = read_manifest(self.data_dir, self.rank, run.data.reverse)
         self.cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
         self.given_profile = given_profile(run.admin.profile, self.cfg)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", run.train.keep_last, self.log.info,
@@ -340,7 +340,8 @@ class Training:
             "run_config": self.run.to_dict(), "model_config": self.cfg.to_dict(),
             "profile": None if self.profile is None else self.profile.to_dict(),
             "train_state": vars(self.state).copy(), "data_state": self.iterator.state_dict(),
-            "subword_sha256": self.manifest.get("subword_sha256"), "layout": self.layout,
+            "subword_sha256": self.manifest.get("subword_sha256"), "direction": direction(self.manifest),
+            "layout": self.layout,
             "guard": self.guard.state_dict()}}
 
     def save(self) -> None:

@@ -57,6 +57,9 @@ class DataSection:
     max_positions: int = 256  # longer training pairs are dropped (and counted)
     pad_to_multiple: int = 1  # pad batch lengths to a multiple (8 on GPUs: whole tensor-core tiles)
     valid_split: str = "valid"
+    # Train TGT->SRC on the same data directory (its binarized files and joint subword model): the
+    # reverse model that back-translation needs. A run keeps its direction for life.
+    reverse: bool = False
     test_split: str = "test"
     default_pairs: int = 30000  # size of the embedded default corpus
     default_vocab_size: int = 1000

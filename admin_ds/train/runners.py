@@ -97,7 +97,8 @@ class Runner:
 
     def profile(self, batch: dict) -> Profile:
         """Admin profiling on each data-parallel rank's ``batch``, statistics reduced so that every
-        rank gets the omega of the concatenated batch."""
+        rank gets the same omega (with dropout off: one process's on the pooled micro-batches,
+        or on their concatenation with admin.mask_padding; model/profiling.py)."""
         raise NotImplementedError
 
     def state_dict(self) -> Optional[dict]:
