@@ -18,8 +18,9 @@ counts them; the padded computation is reported beside them.
 The peak is measured, not typed: in the same process, on the same device, dense matrix products
 in the training dtype (a large square one, and one of the layers' own shape: tokens x D x F) are
 timed; on a GPU the vendor's dense spec for that dtype is printed beside it. MFU is reported
-against both. --breakdown adds a torch.profiler table of where an update's time goes
-(bench/breakdown.py). Results: a table on stdout, --json FILE appends one JSON object per run,
+against both; ``mfu_vs_square`` (= ``mfu_measured``) and ``mfu_vs_layer`` divide the achieved
+rate by the square product's and by the layer-shaped product's. --breakdown adds a torch.profiler
+table of where an update's time goes (bench/breakdown.py). Results: a table on stdout, --json FILE appends one JSON object per run,
 --markdown FILE writes the table as Markdown.
 
 Profiling cost: ``profile_s`` is the whole stage as training pays it, cold (the process's first
@@ -163,6 +164,8 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
            "padding": round(padding_fraction(batches, t.cfg.pad_idx), 4),
            "tflops": round(achieved, 4), "padded_tflops": round(padded_flops / dt / 1e12, 4), **peak,
            "mfu_measured": round(achieved / peak["peak_tflops"], 4),
+           "mfu_vs_square": round(achieved / peak["peak_tflops"], 4),
+           "mfu_vs_layer": round(achieved / peak["layer_gemm_tflops"], 4),
            "mfu_vendor": None if peak["vendor_tflops"] is None else round(achieved / peak["vendor_tflops"], 4),
            **({"profile_s": round(profile_s, 3), "profile_batch_s": round(batch_s, 3),
               "profile_pass_s": round(pass_s, 3), "profile_warm_s": round(profile_warm_s, 3),
@@ -243,7 +246,7 @@ def profile_updates(t, updates: int) -> tuple[dict, dict]:
 
 
 COLUMNS = ("preset", "precision", "zero", "overrides", "tokens_per_s", "update_s", "padding", "tflops", "peak_tflops",
-           "mfu_measured", "layer_gemm_tflops", "vendor_tflops", "mfu_vendor", "peak_mem_gib", "profile_over_update")
+           "mfu_vs_square", "layer_gemm_tflops", "mfu_vs_layer", "vendor_tflops", "mfu_vendor", "peak_mem_gib", "profile_over_update")
 
 
 def markdown(rows: list[dict]) -> str:

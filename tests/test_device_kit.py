@@ -37,6 +37,8 @@ def test_kit_run_on_cpu(tmp_path):
     for r in rows:
         assert r["preset"] == "debug-tiny" and r["device"] == "cpu" and r["tokens_per_s"] > 0
         assert r["peak_tflops"] > 0 and r["mfu_measured"] == pytest.approx(r["tflops"] / r["peak_tflops"], rel=0.02)
+        assert r["mfu_vs_square"] == r["mfu_measured"]
+        assert r["mfu_vs_layer"] == pytest.approx(r["tflops"] / r["layer_gemm_tflops"], rel=0.02)
         assert r["vendor_tflops"] is None and r["mfu_vendor"] is None
         assert 0 < r["padding"] < 0.5 and r["padded_tflops"] > r["tflops"]
     seconds = rows[0]["breakdown_s"]
