@@ -30,8 +30,8 @@ assume 16-bit parameters): bytes per parameter per rank, with N data-parallel ra
 DeepSpeed's own estimates (estimate_zero2/3_model_states_mem_needs, no offload; the "GPU"
 column is the device's memory, the host here) are printed beside them. Activations, which no
 ZeRO stage shards, are measured in the ZeRO-0 one-rank run (so list stage 0 and 1 rank first):
-resident memory after a training-mode forward pass of the plain module on one --max-tokens
-micro-batch minus before it (the tensors the backward pass will read).
+the bytes a training-mode forward pass of the plain module on one --max-tokens micro-batch saves
+for the backward pass (autograd's saved-tensor hooks).
 
 Keep a shared machine in mind: 16 bytes per parameter, per rank, before activations (ZeRO-0 at
 2 ranks of a 250M-parameter model: ~8 GB).
@@ -111,16 +111,28 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, ds_pat
 
 
 def activations(t) -> int:
-    """Resident memory held after one training-mode forward pass on a --max-tokens micro-batch
-    (what the backward pass will read), in MB: the part of a rank's memory no ZeRO stage shards.
-    Measured on the plain module (ZeRO-0, one rank), with no backward pass after it."""
+    """Bytes, in MB, of the tensors one training-mode forward pass on a --max-tokens micro-batch
+    saves for the backward pass (parameters excluded, each storage counted once): the part of a
+    rank's memory no ZeRO stage shards. Counted through autograd's saved-tensor hooks, not read
+    off the resident size, which the allocator's reuse of freed memory hides."""
+    import torch
+
+    model = t.runner.model
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(x):
+        storage = x.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return x
+
     src, tgt_in, _ = t.runner._on_device(t.profiling_batch())
-    t.runner.model.train()
-    before = proc_status()["VmRSS"]
-    logits = t.runner.model(src, tgt_in, skip_padding=t.runner.skip_padding)
-    held = proc_status()["VmRSS"] - before
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        logits = model(src, tgt_in, skip_padding=t.runner.skip_padding)
     del logits
-    return held
+    return round(sum(saved.values()) / 1e6)
 
 
 def model_states_mb(params: int, largest: int, stage: int, world: int) -> dict:
