@@ -197,7 +197,6 @@ def test_a_pipeline_cell_with_two_seeds_through_the_command(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--seeds", "1", "1"], "error: --seeds: each seed once, got [1, 1]"),
     (["--depths", "6-x"], "error: --depths: expected N or N-M with positive integers (e.g. 18, 60-12), got '6-x'"),
-    (["--lrs", "0"], "error: --lrs: learning rates must be positive, got [0.0]"),
     (["--data", "/nonexistent"], "error: --data: /nonexistent has no manifest.json"),
     (["--train.max_updates"], "error: unrecognised argument(s) --train.max_updates; cell settings are"),
 ])
