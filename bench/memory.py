@@ -208,16 +208,12 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--run-dir", default="runs/bench_memory")
-    p.add_argument("--json", default=None, help="append one JSON object per run to this file")
-    p.add_argument("--markdown", default=None, help="write the results table to this file")
-    args, overrides = p.parse_known_args()
-    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=")[0])]
-    if bad:
-        p.error(f"unrecognised arguments: {' '.join(bad)} (run-config overrides are --section.key=value)")
+    from train_throughput import parse_with_overrides, prepare_data  # bench/ is the script's directory
+
+    args, overrides = parse_with_overrides(p)
     if args.updates < 1:
         p.error(f"--updates {args.updates}: at least one update")
     args.overrides = overrides
-    from train_throughput import prepare_data  # bench/ is the script's directory
 
     args.data = prepare_data(args, overrides)
     head = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(),

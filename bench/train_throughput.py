@@ -180,6 +180,18 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
     return row
 
 
+def parse_with_overrides(p: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's own arguments (with --json and --markdown added), and the run-config
+    overrides (--section.key=value) that every measured run takes."""
+    p.add_argument("--json", default=None, help="append one JSON object per run to this file")
+    p.add_argument("--markdown", default=None, help="write the results table to this file")
+    args, overrides = p.parse_known_args()
+    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=")[0])]
+    if bad:
+        p.error(f"unrecognised arguments: {' '.join(bad)} (run-config overrides are --section.key=value)")
+    return args, overrides
+
+
 def prepare_data(args, overrides: list[str]) -> str:
     """The data directory every preset reads: --data, or the embedded default corpus prepared once
     (with --vocab-size, its sentence lengths with random tokens over that vocabulary)."""
@@ -275,12 +287,7 @@ def main() -> None:
     p.add_argument("--breakdown", action="store_true", help="also profile updates with torch.profiler")
     p.add_argument("--breakdown-updates", type=int, default=2)
     p.add_argument("--run-dir", default="runs/bench")
-    p.add_argument("--json", default=None, help="append one JSON object per run to this file")
-    p.add_argument("--markdown", default=None, help="write the results table to this file")
-    args, overrides = p.parse_known_args()
-    bad = [o for o in overrides if not (o.startswith("--") and "=" in o and "." in o.split("=")[0])]
-    if bad:
-        p.error(f"unrecognised arguments: {' '.join(bad)} (run-config overrides are --section.key=value)")
+    args, overrides = parse_with_overrides(p)
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_PORT", "29511")

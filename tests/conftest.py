@@ -110,3 +110,14 @@ def two_rank_reference(tmp_path_factory, data_dir):
     out = check(subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=600), "deepspeed")
     assert "[world] 2 rank(s)" in out
     return losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One torch thread for a module's in-process decoding (what its expected outputs assume)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -113,3 +113,18 @@ class Faults:
             self._kill(f"while writing checkpoint {update}")
         if self._at("enospc_during_save", update):
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({TAG})")
+
+
+def unwritable_dir(tmp) -> str:
+    """A directory in which nothing can be created: ``tmp/ro`` with mode 555, or, for root (whom
+    modes do not stop), ``/proc/self`` (procfs refuses new entries to everyone on Linux). Checked
+    here, so that a test built on it fails instead of passing vacuously."""
+    path = "/proc/self" if os.geteuid() == 0 else os.path.join(tmp, "ro")
+    if path != "/proc/self":
+        os.mkdir(path)
+        os.chmod(path, 0o555)
+    try:
+        os.mkdir(os.path.join(path, "admin_ds_probe"))
+    except OSError:
+        return path
+    raise AssertionError(f"{path}: expected a directory nothing can be created in")

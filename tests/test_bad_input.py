@@ -33,6 +33,7 @@ import torch
 
 from conftest import overrides
 from distributed import REPO
+from faults import unwritable_dir
 from prefork import Prefork
 from test_data_prep import synthetic_corpus
 
@@ -221,14 +222,7 @@ def long_line(ctx: Ctx, name: str, before: str = "") -> Path:
 
 
 def unwritable(ctx: Ctx) -> Path:
-    """A directory nothing can be created in: made read-only, or, for root (whom modes do not
-    stop), /sys."""
-    if os.geteuid() == 0:
-        return Path("/sys")
-    d = ctx.tmp / "ro"
-    d.mkdir()
-    d.chmod(0o555)
-    return d
+    return Path(unwritable_dir(ctx.tmp))
 
 
 def link_loop(ctx: Ctx) -> Path:

@@ -21,13 +21,13 @@ import torch
 
 from copy_task import EOS, NO_DROPOUT, PAD, copy_sources, train_copy_model
 from distributed import REPO
+from faults import unwritable_dir
 
 from admin_ds.inference.decode import beam_search, greedy
 from admin_ds.inference.model_file import ModelFile, build_from_model_file, load_any
 from admin_ds.model import build_model
 from admin_ds.presets import get_preset
 
-pytest.importorskip("transformers")
 FIXTURE = REPO / "tests/fixtures/run_v1"
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
@@ -38,11 +38,8 @@ def export_cli(*args):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(single_thread):
     yield
-    torch.set_num_threads(before)
 
 
 def translate_py_search() -> dict:
@@ -173,7 +170,7 @@ def test_ctranslate2_translate_batch_gives_translate_py_tokens(cases, which, met
     sentence's limit: translate.py's tokens for every sentence, greedy, and beam where no beam
     reaches the limit (the copy model's). At the limit CTranslate2 forces no EOS (the module
     docstring of admin_ds/inference/export.py): run_v1's beam hypotheses that differ are at it."""
-    ctranslate2 = pytest.importorskip("ctranslate2")
+    import ctranslate2
 
     case = cases[which]
     options = json.loads((case.ct2_dir / "decoding_defaults.json").read_text())["ctranslate2"]["translate_batch"]
@@ -247,32 +244,13 @@ def test_tokenizer_encodes_to_our_ids(cases):
 # ---- the output directory ------------------------------------------------------------------------
 
 
-def read_only_dir(tmp_path):
-    """A directory this process cannot write into: mode 555, or, for root (whom modes do not
-    stop), a directory of a read-only file system."""
-    d = tmp_path / "ro"
-    d.mkdir()
-    d.chmod(0o555)
-    try:
-        (d / "probe").mkdir()
-    except OSError:
-        return d
-    (d / "probe").rmdir()
-    for candidate in ("/sys", "/proc/self"):  # sysfs and procfs refuse new directories
-        try:
-            os.mkdir(os.path.join(candidate, "admin_ds_probe"))
-        except OSError:
-            return candidate
-    pytest.skip("no directory here that this process cannot write into")
-
-
 def bad_outputs(tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     return {"under-a-file": tmp_path / "file" / "out",
             "symlink-loop": tmp_path / "loop",
             "under-a-symlink-loop": tmp_path / "loop" / "out",
-            "read-only": os.path.join(read_only_dir(tmp_path), "out")}
+            "read-only": os.path.join(unwritable_dir(tmp_path), "out")}
 
 
 @pytest.mark.parametrize("case", ["under-a-file", "symlink-loop", "under-a-symlink-loop", "read-only"])

@@ -51,11 +51,8 @@ def refused(out, message):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(single_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
