@@ -166,6 +166,30 @@ def test_reverse_trains_the_other_direction_and_keeps_it_on_resume(tmp_path, dat
     assert "data.reverse" in text and f"{tgt}-{src}" in text and "Traceback" not in text
 
 
+def test_patience_stops_where_the_validation_losses_say_and_stays_stopped(tmp_path, data_dir):
+    """train.patience=2 with a learning rate too small to move an fp32 weight: the validation loss
+    stops improving after the first validation, so the run must stop two validations later (the
+    rule applied by hand to the recorded losses), save there, and a resume with more updates must
+    not train on."""
+    run = tmp_path / "p"
+    extra = ["--train.patience=2", "--train.valid_interval_updates=1", "--optim.lr=1e-12"]
+    _train_cli(run, data_dir, 20, extra=extra)
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    valids = [(r["update"], r["loss"]) for r in rows if r["kind"] == "valid"]
+    best, since, expected = None, 0, None
+    for update, loss in valids:
+        best, since = (loss, 0) if best is None or loss < best else (best, since + 1)
+        if since == 2:
+            expected = update
+            break
+    assert expected is not None and expected < 20, valids
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["updates"] == expected and summary["converged"] is True, summary
+    assert (run / f"checkpoints/update_{expected:06d}/COMPLETE").is_file()
+    again = _train_cli(run, data_dir, 30, extra=extra)
+    assert max(_train_losses(run)) == expected, again.out[-2000:]
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 

@@ -351,14 +351,15 @@ def paired_bootstrap(baseline: Sequence[str], systems: Mapping[str, Sequence[str
 
 def format_paired(result: Mapping[str, Any]) -> str:
     """A :func:`paired_bootstrap` result as a table: score, bootstrap mean +- 95% interval, p-value."""
+    width = max(len("system"), *(len(row["name"]) for row in result["systems"]))  # names in full
     lines = [f"paired bootstrap, {result['samples']} samples; p: the difference from the baseline",
-             f"{'system':<24} {'BLEU':>7} {'mean +- 95%':>15} {'p':>7}   {'chrF':>7} {'mean +- 95%':>15} {'p':>7}"]
+             f"{'system':<{width}} {'BLEU':>7} {'mean +- 95%':>15} {'p':>7}   {'chrF':>7} {'mean +- 95%':>15} {'p':>7}"]
     for row in result["systems"]:
         cells = []
         for metric in ("bleu", "chrf"):
             m = row[metric]
             p = "-" if m["p_value"] is None else f"{m['p_value']:.4f}"
             cells.append(f"{m['score']:>7.2f} {m['mean']:>7.2f} +- {m['ci95']:<5.2f} {p:>7}")
-        lines.append(f"{row['name'][:24]:<24} " + "   ".join(cells))
+        lines.append(f"{row['name']:<{width}} " + "   ".join(cells))
     lines += [f"{k}: {v}" for k, v in result["signatures"].items()]
     return "\n".join(lines)

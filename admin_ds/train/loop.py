@@ -55,6 +55,8 @@ class TrainState:
     epoch: int = 1
     tokens_seen: int = 0
     sentences_seen: int = 0
+    best_valid_loss: Optional[float] = None  # train.patience: the best validation loss so far
+    valids_since_best: int = 0               # and the validations since it
 
 
 class RunLog:
@@ -430,7 +432,7 @@ class Training:
         t_start = time.perf_counter()
         last, stopped = {}, None
         self.stop.install()
-        while self.state.update < run.train.max_updates:
+        while self.state.update < run.train.max_updates and not self.converged():
             if run.train.max_epochs and self.iterator.epoch > run.train.max_epochs:
                 break
             stats = self.train_update()
@@ -478,6 +480,7 @@ class Training:
             v = self.evaluator.valid_loss(run.data.valid_split)
             self.log.record("valid", update=u, **v)
             self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
+            self.note_validation(v["loss"])
         every = run.train.bleu_interval_updates
         if every and u % every == 0:
             b = self.evaluator.bleu(run.data.valid_split)
@@ -486,6 +489,20 @@ class Training:
                 self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
         if u % run.train.save_interval_updates == 0:
             self.save()
+
+    def note_validation(self, loss: float) -> None:
+        s = self.state
+        if s.best_valid_loss is None or loss < s.best_valid_loss:
+            s.best_valid_loss, s.valids_since_best = loss, 0
+        else:
+            s.valids_since_best += 1
+        if self.converged():
+            self.log.info(f"[valid] no improvement on {s.best_valid_loss:.3f} for {s.valids_since_best} "
+                          f"validations (train.patience): stopping at update {self.state.update}")
+
+    def converged(self) -> bool:
+        patience = self.run.train.patience
+        return patience is not None and self.state.valids_since_best >= patience
 
     def _stopped(self, signals) -> dict:
         u = self.state.update
@@ -497,6 +514,8 @@ class Training:
     def _finish(self, train_s: float, last: dict) -> dict:
         summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
                    "train_s": round(train_s, 1), "last_train_loss": last.get("loss")}
+        if self.run.train.patience is not None:
+            summary.update(converged=self.converged(), best_valid_loss=self.state.best_valid_loss)
         bleu = None
         self.watchdog.mark("final evaluation")
         if self.run.train.final_eval:

@@ -98,6 +98,9 @@ class TrainSection:
     keep_last: int = 3
     log_interval: int = 10
     valid_interval_updates: int = 250
+    # Stop once the validation loss has not improved on its best for this many validations in a row
+    # (fairseq's --patience); None: train to max_updates / max_epochs.
+    patience: Optional[int] = None
     final_eval: bool = True  # validation loss and test BLEU after the last update
     bleu_interval_updates: Optional[int] = None  # also BLEU on the validation split every N updates
     bleu_beam: int = 4
@@ -178,6 +181,8 @@ class RunConfig:
         need(self.train.max_updates > 0, "train.max_updates", "must be positive")
         need(self.train.save_interval_updates > 0, "train.save_interval_updates", "must be positive")
         need(self.train.keep_last >= 1, "train.keep_last", "must be >= 1")
+        need(self.train.patience is None or self.train.patience >= 1, "train.patience",
+             "must be >= 1 (validations without improvement), or null to train to max_updates")
         need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
         need(not (self.engine.compile and self.engine.pipeline_stages > 1), "engine.compile",
              "compiles the data-parallel path's layers; pipeline stages run eagerly")

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Does depth pay? Admin Transformers of one width (the Multi30k recipe's 256/1024/4) at several
+# depths on Multi30k en-de, each trained until its validation loss stops improving
+# (train.patience), its last checkpoints averaged, test2016 decoded with beam 4, and every model
+# compared with the shallowest by sacreBLEU's paired bootstrap (docs/results.md).
+#
+#   bash launch/depth_pays.sh RAW_DIR [OUT] [DEPTH ...]     # DEPTH: E-D layers, default 6-6 18-18 60-12
+#   INIT=pre bash launch/depth_pays.sh RAW_DIR runs/depth 18-18   # Pre-LN with the same recipe
+#
+# RAW_DIR holds Multi30k's train/val/test_2016_flickr .{en,de}.gz (docs/recipes/multi30k.md).
+# Every step resumes: after an interruption the same command continues each run from its newest
+# checkpoint and redoes only what is missing. Models of 60 layers or more train as 2 pipeline
+# stages on 2 ranks, the others in one process (both ds_configs/zero1.json).
+# Environment: INIT (admin, post or pre), MAX_UPDATES (8000), PATIENCE (validations, 5),
+# VALID_EVERY (updates, 160), AVERAGE (checkpoints averaged, 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RAW=${1:?usage: bash launch/depth_pays.sh RAW_DIR [OUT] [DEPTH ...]}
+OUT=${2:-runs/depth}
+shift $(( $# < 2 ? $# : 2 ))
+[ $# -gt 0 ] && DEPTHS=("$@") || read -r -a DEPTHS <<< "6-6 18-18 60-12"
+INIT=${INIT:-admin}
+MAX_UPDATES=${MAX_UPDATES:-8000} PATIENCE=${PATIENCE:-5} VALID_EVERY=${VALID_EVERY:-160} AVERAGE=${AVERAGE:-5}
+case $INIT in
+    admin) MODEL=(--model.init=admin) ;;
+    post)  MODEL=(--model.init=default) ;;
+    pre)   MODEL=(--model.init=default --model.norm_order=pre) ;;
+    *) echo "depth_pays.sh: INIT must be admin, post or pre, got '$INIT'" >&2; exit 2 ;;
+esac
+DATA=$OUT/data
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+python -m data_prep.prepare en-de "$DATA" --raw-dir "$RAW" --valid-prefix val \
+    --test-prefix test_2016_flickr --vocab-size 8000
+
+hyps=()
+for depth in "${DEPTHS[@]}"; do
+    enc=${depth%-*} dec=${depth#*-}
+    [[ $enc =~ ^[1-9][0-9]*$ && $dec =~ ^[1-9][0-9]*$ ]] || {
+        echo "depth_pays.sh: a depth is E-D with positive integers (e.g. 60-12), got '$depth'" >&2; exit 2; }
+    run=$OUT/${INIT}_${enc}L-${dec}L
+    args=(--config launch/configs/multi30k_en_de.yaml "${MODEL[@]}" --data.path="$DATA"
+          --model.num_encoder_layers="$enc" --model.num_decoder_layers="$dec" --train.run_dir="$run"
+          --train.max_updates="$MAX_UPDATES" --train.patience="$PATIENCE"
+          --train.valid_interval_updates="$VALID_EVERY" --train.save_interval_updates="$VALID_EVERY"
+          --train.keep_last="$AVERAGE" --train.final_eval=false)
+    echo "[depth] $run: training (${enc}L-${dec}L, $INIT)"
+    if (( enc + dec >= 60 )); then
+        python -m torch.distributed.run --standalone --nproc_per_node 2 launch/train.py \
+            --deepspeed_config ds_configs/zero1.json "${args[@]}" --engine.pipeline_stages=2
+    else
+        python launch/train.py --deepspeed_config ds_configs/zero1.json "${args[@]}"
+    fi
+    avg=$run/avg$AVERAGE.pt hyp=$run/test.avg$AVERAGE.hyp.de
+    if [ ! -s "$hyp" ] || [ "$hyp" -ot "$run/checkpoints/latest_complete" ]; then
+        python launch/average_checkpoints.py --run "$run" --last "$AVERAGE" --out "$avg"
+        python launch/translate.py --checkpoint "$avg" --input "$DATA/test.en" --beam 4 --lenpen 0.6 > "$hyp.tmp"
+        mv "$hyp.tmp" "$hyp"
+    fi
+    hyps+=("$hyp")
+done
+
+echo "[depth] test2016, beam 4, the average of each run's last $AVERAGE checkpoints"
+if (( ${#hyps[@]} > 1 )); then
+    python launch/evaluate.py --hyp "${hyps[0]}" --ref "$DATA/test.de" --lang en-de --compare "${hyps[@]:1}"
+else
+    python launch/evaluate.py --hyp "${hyps[0]}" --ref "$DATA/test.de" --lang en-de
+fi
