@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from admin_ds import logs
 from admin_ds.arguments import existing_path
 from admin_ds.inference.export import FORMATS
 
@@ -33,6 +34,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logs.quiet_known_warnings()
     from admin_ds.errors import UserError
     from admin_ds.files import describe_os_error
     from admin_ds.inference.export import check_destination, export
