@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     from admin_ds.inference.model_file import load_any
 
     try:
-        check_destination(args.out, args.force)  # before the model is loaded: a bad --out fails fast
+        check_destination(args.out, args.force, args.checkpoint)  # before the model is loaded: a bad --out fails fast
         report = export(load_any(args.checkpoint, args.tag, args.trust_unverified), args.format, args.out, args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -29,8 +29,9 @@ from admin_ds.train.runners import LN2, Runner
 @dataclass(frozen=True)
 class BleuTools:
     """What BLEU needs from inference: ``translate(model, subword, lines, beam=, lenpen=, max_tokens=,
-    max_len_a=, max_len_b=, progress=)`` -> one string per line (admin_ds.inference.translate.translate) and ``score(hyps, refs, "src-tgt")``
-    -> {"bleu", "tok_bleu", "chrf", "signature", ...} (admin_ds.inference.scoring.score)."""
+    max_len_a=, max_len_b=, progress=)`` -> one string per line (admin_ds.inference.translate.translate)
+    and ``score(hyps, refs, "src-tgt")`` -> {"bleu", "tok_bleu", "chrf", "signature", ...}
+    (admin_ds.inference.scoring.score)."""
 
     translate: Callable
     score: Callable
