@@ -31,10 +31,11 @@ from typing import Iterator
 # a black box over flat fp32 partitions; RAdam's update is element-wise (no norm across
 # parameters), so each partition updates exactly as the whole would.
 DEEPSPEED_LOGS = [r"\*+ You are using ZeRO with an untested optimizer"]
-# PyTorch warns, under pipeline parallelism, when DeepSpeed's stage-to-stage send (a broadcast on
-# gloo) is given an activation that requires grad. Nothing backpropagates through the send: the
-# pipeline engine receives the gradient from the next stage and calls backward on the activation
-# itself.
+# PyTorch warns, under pipeline parallelism, when DeepSpeed's PipelineModule broadcasts the shared
+# embedding from the first stage to the others that hold it (_synchronize_tied_weights, at set-up
+# and after a load): a parameter, which requires grad, given to an op without an autograd kernel.
+# The broadcast is a copy outside any graph; the shared embedding's gradients are summed by an
+# explicit all-reduce (StagePipelineModule.allreduce_tied_weight_gradients), never through it.
 PYTORCH_WARNINGS = [r"c10d::broadcast_: an autograd kernel was not registered"]
 # Prints (stdout, rank 0): PipelineModule's seeding settings (off: each layer draws its weights
 # from its own generator, admin_ds/model/init.py) and the process grid it made (the run prints its
