@@ -189,7 +189,8 @@ class RunConfig:
         need(t.bleu_beam >= 1, "train.bleu_beam", "must be >= 1")
         need(t.bleu_max_sentences is None or t.bleu_max_sentences >= 1, "train.bleu_max_sentences",
              "must be >= 1 (leave it out for the whole split)")
-        need(t.bleu_max_len_a >= 0 and t.bleu_max_len_b >= 0, "train.bleu_max_len_a/b", "must be >= 0")
+        need(t.bleu_max_len_a >= 0, "train.bleu_max_len_a", "must be >= 0")
+        need(t.bleu_max_len_b >= 0, "train.bleu_max_len_b", "must be >= 0")
         need(t.bleu_max_decode_cells is None or t.bleu_max_decode_cells >= 1, "train.bleu_max_decode_cells",
              "must be >= 1")
         need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
