@@ -4,7 +4,7 @@ and nothing that is known to be harmless.
     logs.quiet_known_warnings()              # at start-up, before torch and DeepSpeed speak
     with logs.progress(len(lines), "translate", disable=rank != 0) as bar:
         ...; bar.update(n)
-    with logs.without_known_prints():         # around the one call that prints them
+    with logs.without_known_prints():         # around a call that prints known lines
         module = StagePipelineModule(...)
 
 On a terminal, a tqdm bar on stderr. Into a file or a pipe (a batch job's log, a launcher that
@@ -27,9 +27,9 @@ from typing import Iterator
 # the patterns match one message each, from its start.
 #
 # DeepSpeed logs this (logger "DeepSpeed", rank 0) for any client optimizer outside its short list,
-# here RAdam, which ds_config sets zero_allow_untested_optimizer for. ZeRO shards an optimizer as
-# a black box over flat fp32 partitions; RAdam's update is element-wise (no norm across
-# parameters), so each partition updates exactly as the whole would.
+# here RAdam, which admin_ds/train/engine.py allows (zero_allow_untested_optimizer). ZeRO shards an
+# optimizer as a black box over flat fp32 partitions; RAdam's update is element-wise (no norm
+# across parameters), so each partition updates exactly as the whole would.
 DEEPSPEED_LOGS = [r"\*+ You are using ZeRO with an untested optimizer"]
 # PyTorch warns, under pipeline parallelism, when DeepSpeed's PipelineModule broadcasts the shared
 # embedding from the first stage to the others that hold it (_synchronize_tied_weights, at set-up
