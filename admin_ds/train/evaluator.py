@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from admin_ds import logs
+from admin_ds import distributed, logs
 from admin_ds.data import EpochBatchIterator
 from admin_ds.data.binarize import open_split
 from admin_ds.data.subword import SubwordModel
@@ -69,13 +69,15 @@ class Evaluator:
 
     def bleu(self, split: str) -> Optional[dict]:
         """Collective (the state is gathered); the result on rank 0, None elsewhere, and None
-        everywhere without ``bleu_tools``."""
+        everywhere without ``bleu_tools``. Rank 0 decodes alone, for as long as the split takes: the
+        other ranks wait for it outside any collective (distributed.rank0_alone)."""
         if self.tools is None:
             return None
         state = self.runner.state_dict()
-        if state is None:
-            return None
+        with distributed.rank0_alone():
+            return None if state is None else self._decode_and_score(split, state)
 
+    def _decode_and_score(self, split: str, state: dict) -> dict:
         s, t = self.manifest["src_lang"], self.manifest["tgt_lang"]
         srcs = (self.data_dir / f"{split}.{s}").read_text(encoding="utf-8").splitlines()
         refs = (self.data_dir / f"{split}.{t}").read_text(encoding="utf-8").splitlines()
