@@ -167,13 +167,13 @@ def test_reverse_trains_the_other_direction_and_keeps_it_on_resume(tmp_path, dat
 
 
 def test_a_bleu_evaluation_longer_than_the_collective_timeout_leaves_the_run_whole(tmp_path, data_dir):
-    """Rank 0 decodes BLEU alone while rank 1 waits for it. With the decoding started 20 s late, past
-    engine.dist_timeout_s=15 (how long a collective may wait), the run still ends with its BLEU."""
+    """Rank 0 decodes BLEU alone while rank 1 waits for it. With the decoding started 40 s late, past
+    engine.dist_timeout_s=30 (how long a collective may wait), the run still ends with its BLEU."""
     run = tmp_path / "run"
-    summary = spawn(2, "train_with_slow_bleu", tmp_path / "out", ds=ZERO[1], tmp=str(tmp_path), delay_s=20,
+    summary = spawn(2, "train_with_slow_bleu", tmp_path / "out", ds=ZERO[1], tmp=str(tmp_path), delay_s=40,
                     run_overrides=overrides(run, data_dir, "--train.max_updates=2", "--train.final_eval=true",
                                             "--train.bleu_max_sentences=4", "--train.bleu_beam=1",
-                                            "--engine.dist_timeout_s=15"))[0]
+                                            "--engine.dist_timeout_s=30"))[0]
     assert summary["updates"] == 2 and summary["test_sentences"] == 4 and "test_bleu" in summary
 
 
