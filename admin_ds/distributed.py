@@ -372,10 +372,10 @@ _alone = 0  # how many rank0_alone blocks this rank has entered: the same count 
 
 @contextlib.contextmanager
 def rank0_alone(poll_s: float = 0.5) -> Iterator[None]:
-    """Around work rank 0 does alone for as long as it takes (the BLEU evaluation's decoding), on
-    every rank: the others wait for its end in the rendezvous store, polling, not in the next
-    collective, which would fail after the group's timeout (engine.dist_timeout_s) however healthy
-    rank 0 is. A rank 0 that dies meanwhile is named by the training's watchdog."""
+    """Around work rank 0 does alone for as long as it takes (BLEU decoding, a checkpoint
+    conversion), on every rank: the others wait for its end in the rendezvous store, polling, not
+    in the next collective, which would fail after the group's timeout (engine.dist_timeout_s)
+    however healthy rank 0 is. A rank 0 that dies meanwhile is named by the training's watchdog."""
     global _alone
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield
