@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from admin_ds import files
+from admin_ds import files, logs
 
 COMPLETE = "COMPLETE"
 POINTER = "latest_complete"
@@ -132,6 +132,8 @@ def ds_to_universal(tag_dir: Path, out_dir: Path, num_workers: int = 1) -> None:
     saved = sys.argv
     try:
         sys.argv = ["ds_to_universal"] + argv
-        conv.main(conv.parse_arguments())
+        with logs.without_known_prints():
+            args = conv.parse_arguments()
+        conv.main(args)
     finally:
         sys.argv = saved

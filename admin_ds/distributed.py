@@ -367,6 +367,34 @@ def barrier() -> None:
         dist.barrier()
 
 
+_alone = 0  # how many rank0_alone blocks this rank has entered: the same count on every rank
+
+
+@contextlib.contextmanager
+def rank0_alone(poll_s: float = 0.5) -> Iterator[None]:
+    """Around work rank 0 does alone for as long as it takes (BLEU decoding, a checkpoint
+    conversion), on every rank: the others wait for its end in the rendezvous store, polling, not
+    in the next collective, which would fail after the group's timeout (engine.dist_timeout_s)
+    however healthy rank 0 is. A rank 0 that dies meanwhile is named by the training's watchdog."""
+    global _alone
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    _alone += 1
+    key = f"admin_ds/rank0_alone/{_alone}"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    if dist.get_rank() == 0:
+        try:
+            yield
+        finally:
+            store.set(key, "done")
+    else:
+        yield
+        while not store.check([key]):
+            time.sleep(poll_s)
+
+
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     """Sum over ranks (in place, returned); float64 statistics stay float64 on gloo and NCCL.
     NCCL reduces GPU tensors only: a CPU tensor (token counts, loss sums) goes through the GPU."""

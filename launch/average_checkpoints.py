@@ -12,6 +12,7 @@ written (a read-only directory, a path under a file or through a loop of links).
 import argparse
 import sys
 
+from admin_ds import logs
 from admin_ds.arguments import existing_path, int_in, output_file
 
 
@@ -32,6 +33,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logs.quiet_known_warnings()
     from admin_ds.errors import UserError
     from admin_ds.inference.averaging import average_checkpoints
     from admin_ds.inference.model_file import save_model_file

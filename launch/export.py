@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from admin_ds import logs
 from admin_ds.arguments import existing_path
 from admin_ds.inference.export import FORMATS
 
@@ -33,13 +34,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logs.quiet_known_warnings()
     from admin_ds.errors import UserError
     from admin_ds.files import describe_os_error
     from admin_ds.inference.export import check_destination, export
     from admin_ds.inference.model_file import load_any
 
     try:
-        check_destination(args.out, args.force)  # before the model is loaded: a bad --out fails fast
+        check_destination(args.out, args.force, args.checkpoint)  # before the model is loaded: a bad --out fails fast
         report = export(load_any(args.checkpoint, args.tag, args.trust_unverified), args.format, args.out, args.force)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

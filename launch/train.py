@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 
+from admin_ds import logs
 from admin_ds.arguments import input_file
 
 
@@ -36,9 +37,26 @@ def parse_args(argv=None):
     return p.parse_known_args(argv)
 
 
+def check_bleu_decoding(run) -> None:
+    """The BLEU evaluation's decoding, bounded as translate.py's is (admin_ds/inference/limits.py):
+    refused before any work rather than after the last update."""
+    from admin_ds.errors import ConfigError
+    from admin_ds.inference.limits import DEFAULT_MAX_DECODE_CELLS, check_decoding
+
+    t = run.train
+    problem = check_decoding(t.bleu_beam, run.data.max_tokens, t.bleu_max_len_a, t.bleu_max_len_b, None,
+                             t.bleu_max_decode_cells or DEFAULT_MAX_DECODE_CELLS,
+                             {"beam": "train.bleu_beam", "max_tokens": "data.max_tokens",
+                              "max_len_a": "train.bleu_max_len_a", "max_len_b": "train.bleu_max_len_b",
+                              "max_cells": "train.bleu_max_decode_cells"})
+    if problem:
+        raise ConfigError(problem)
+
+
 def main(argv=None, hooks=None) -> int:
     """``hooks``: callbacks at fixed points of the run (admin_ds/train/hooks.py); tests use them."""
     args, overrides = parse_args(argv)
+    logs.quiet_known_warnings()
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     from admin_ds.errors import UserError
@@ -52,6 +70,7 @@ def main(argv=None, hooks=None) -> int:
             run.admin.profile_only = True
         if args.profile:
             run.admin.profile = str(args.profile)
+        check_bleu_decoding(run)
         from admin_ds.inference.scoring import score
         from admin_ds.inference.translate import translate
         from admin_ds.train.evaluator import BleuTools

@@ -28,6 +28,7 @@ import argparse
 import sys
 import time
 
+from admin_ds import logs
 from admin_ds.arguments import checkpoint_tag, existing_path, float_in, input_file, int_in
 from admin_ds.inference.limits import add_limit_arguments, check_decoding_arguments
 
@@ -58,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     p.add_argument("--int8", action="store_true",
                    help="CPU: dynamic int8 linear layers (admin_ds/inference/int8.py); needs --dtype fp32")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress (a bar on a terminal, else a line per tenth)")
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a checkpoint or model file written without digests (an older version)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
     results = sys.stdout
     sys.stdout = sys.stderr
     args = parse_args(argv)
+    logs.quiet_known_warnings()
     import torch
-    from tqdm import tqdm
 
     from admin_ds import distributed
     from admin_ds.errors import UserError
@@ -140,8 +141,7 @@ def main(argv=None) -> int:
 
         start, end = len(lines) * rank // world, len(lines) * (rank + 1) // world
         t0 = time.perf_counter()
-        with tqdm(total=end - start, unit="sent", desc="translate", file=sys.stderr,
-                  disable=args.quiet or rank != 0) as progress:
+        with logs.progress(end - start, "translate", disable=args.quiet or rank != 0) as progress:
             outputs = translate_shard(model, subword, lines[start:end], args, args.seed + rank, progress, start)
         parts = distributed.gather_object(outputs)
         if rank == 0:

@@ -120,6 +120,29 @@ def _training(run_overrides: list[str], ds: dict, tmp: str, hooks=None):
     return training
 
 
+def train_with_slow_bleu(run_overrides: list[str], ds: dict, tmp: str, delay_s: float) -> dict:
+    """A whole run whose BLEU decoding on rank 0 takes ``delay_s`` longer than it would (a long
+    test set, a slow model): the real translate, started late. Returns the run's summary."""
+    import time
+
+    from admin_ds.inference.scoring import score
+    from admin_ds.inference.translate import translate
+    from admin_ds.train.evaluator import BleuTools
+    from admin_ds.train.loop import Training
+    from admin_ds.train.run_config import load_run_config
+
+    def slow(*args, **kwargs):
+        time.sleep(delay_s)
+        return translate(*args, **kwargs)
+
+    ds_path = Path(tmp, f"ds_{os.environ['RANK']}.json")
+    ds_path.write_text(json.dumps(ds))
+    training = Training(load_run_config(None, run_overrides), str(ds_path), None, BleuTools(slow, score))
+    _OPENED.append(training)
+    training.setup()
+    return training.fit()
+
+
 def _checksums(state):
     return None if state is None else {n: v.double().sum().item() for n, v in state.items()}
 

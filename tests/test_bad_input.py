@@ -244,6 +244,15 @@ def swap_subword_model(ctx: Ctx) -> Path:
     return data
 
 
+def fifo_in_data(ctx: Ctx, name: str) -> Path:
+    """A copy of the data directory in which ``name`` is a FIFO: reading it for its checksum would
+    wait for a writer that never comes."""
+    data = Path(shutil.copytree(ctx.data, ctx.tmp / "d"))
+    (data / name).unlink()
+    os.mkfifo(data / name)
+    return data
+
+
 def unlist_subword_model(ctx: Ctx) -> Path:
     data = Path(shutil.copytree(ctx.data, ctx.tmp / "d"))
     manifest = json.loads((data / "manifest.json").read_text())
@@ -599,6 +608,22 @@ CASES = [
          ("--out", "cannot be resolved")),
     Case("out-unwritable", "atlas", lambda c: ["--data", c.data, "--out", unwritable(c) / "atlas"],
          ("--out", "cannot write in")),
+    # ---- train: the BLEU evaluation's decoding, bounded before any work ----------------------
+    Case("bleu-max-sentences-negative", "train", lambda c: c.train("--train.bleu_max_sentences=-5"),
+         ("train.bleu_max_sentences", ">= 1")),
+    Case("bleu-beam-unbounded", "train", lambda c: c.train("--train.bleu_beam=100000"),
+         ("train.bleu_beam 100000", "train.bleu_max_decode_cells")),
+    Case("bleu-max-length-0", "train", lambda c: c.train("--train.bleu_max_len_a=0", "--train.bleu_max_len_b=0"),
+         ("train.bleu_max_len_a 0", "no output token")),
+    # ---- a data directory whose listed file is no regular file -------------------------------
+    Case("split-file-is-a-fifo", "train", lambda c: c.train(f"--data.path={fifo_in_data(c, 'valid.en.bin')}"),
+         ("data.path", "valid.en.bin", "not a regular file")),
+    # ---- export --force onto its own input --------------------------------------------------
+    Case("force-out-is-the-run", "export", lambda c: ["--checkpoint", (run := c.copy_run()), "--out", run, "--force"],
+         ("--checkpoint", "run", "--force", "elsewhere")),
+    Case("force-out-holds-the-model-file", "export",
+         lambda c: ["--checkpoint", c.copy_model(), "--out", c.tmp, "--force"],
+         ("--checkpoint", "model.pt", "--force", "elsewhere")),
 ]
 
 

@@ -190,6 +190,17 @@ def test_patience_stops_where_the_validation_losses_say_and_stays_stopped(tmp_pa
     assert max(_train_losses(run)) == expected, again.out[-2000:]
 
 
+def test_a_bleu_evaluation_longer_than_the_collective_timeout_leaves_the_run_whole(tmp_path, data_dir):
+    """Rank 0 decodes BLEU alone while rank 1 waits for it. With the decoding started 40 s late, past
+    engine.dist_timeout_s=30 (how long a collective may wait), the run still ends with its BLEU."""
+    run = tmp_path / "run"
+    summary = spawn(2, "train_with_slow_bleu", tmp_path / "out", ds=ZERO[1], tmp=str(tmp_path), delay_s=40,
+                    run_overrides=overrides(run, data_dir, "--train.max_updates=2", "--train.final_eval=true",
+                                            "--train.bleu_max_sentences=4", "--train.bleu_beam=1",
+                                            "--engine.dist_timeout_s=30"))[0]
+    assert summary["updates"] == 2 and summary["test_sentences"] == 4 and "test_bleu" in summary
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 

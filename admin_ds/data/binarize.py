@@ -94,6 +94,8 @@ def check_listed_files(data_dir: str | os.PathLike, manifest: dict, verify=None)
     data_dir = Path(data_dir)
     for name, digest in manifest.get("files", {}).items():
         f = data_dir / name
+        if f.exists() and not f.is_file():  # a directory, or a FIFO whose checksum would wait for a writer
+            raise ValueError(f"{data_dir}: {name}, listed in {MANIFEST}, is not a regular file")
         if not f.is_file():
             raise FileNotFoundError(f"{data_dir}: {name} is listed in {MANIFEST} but missing")
         if (verify is None or name in verify) and files.sha256_file(f) != digest:

@@ -75,6 +75,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from admin_ds.errors import UserError
 
@@ -369,9 +370,10 @@ def convert_ct2(hf_dir: Path, out_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def check_destination(out: Path, force: bool = False) -> None:
-    """Refuse, before any work, an output directory the export cannot write or may not replace;
-    the message names the path. Missing parent directories are made."""
+def check_destination(out: Path, force: bool = False, source: Optional[Path] = None) -> None:
+    """Refuse, before any work, an output directory the export cannot write or may not replace
+    (with ``force``, one that is or holds ``source``, the checkpoint or model file read: replacing
+    it would delete the input); the message names the path. Missing parent directories are made."""
     if out.is_symlink() and not out.exists():
         raise ExportError(f"{out}: a symbolic link that leads nowhere (a loop, or a missing target)")
     if out.exists():
@@ -379,6 +381,9 @@ def check_destination(out: Path, force: bool = False) -> None:
             raise ExportError(f"{out}: exists and is not a directory")
         if any(out.iterdir()) and not force:
             raise ExportError(f"{out}: exists and is not empty (--force replaces it)")
+        if source is not None and Path(source).resolve().is_relative_to(out.resolve()):
+            raise ExportError(f"{out}: is or holds the --checkpoint it exports ({source}); --force would delete "
+                              "it with the rest of the directory: write the export elsewhere")
     ancestor = out.parent
     while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent

@@ -9,10 +9,10 @@ plus EOS, so the worst batch holds at most
     beam x max_tokens x (max_len_a + max_len_b + 1)
 
 cells (n = max_tokens one-token sentences). ``DEFAULT_MAX_DECODE_CELLS`` bounds that product: the
-commands' defaults reach 0.2M (translate: beam 4, 4,096 tokens, 1.2 x + 10) and training's
-validation BLEU 3.3M (beam 4, 4,096 tokens, up to 200 positions), ten times below it; a mistyped
---beam 4000 or --max-len-b 100000 is far above it and is refused before it fills the memory. The
-commands take --max-decode-cells to raise it.
+defaults of translate (beam 4, 4,096 tokens, 1.2 x + 10) and of training's BLEU evaluation (the same
+with data.max_tokens; train.bleu_*) reach 0.2M, over a hundred times below it; a mistyped --beam
+4000 or --max-len-b 100000 is far above it and is refused before it fills the memory. The commands
+take --max-decode-cells (training: train.bleu_max_decode_cells) to raise it.
 """
 
 from __future__ import annotations

@@ -263,13 +263,15 @@ class CheckpointManager:
         return client
 
     def _universal(self, engine, plan: ResumePlan) -> Path:
-        """Rank 0 converts the tag once (the others wait); every rank then checks its names."""
+        """Rank 0 converts the tag once (the others wait, for as long as a large checkpoint takes,
+        outside any collective: distributed.rank0_alone); every rank then checks its names."""
         err = None
-        if distributed.rank() == 0:
-            try:
-                self._ensure_universal(plan)
-            except Exception as e:  # every rank must learn of it, not hang
-                err = f"{type(e).__name__}: {e}"
+        with distributed.rank0_alone():
+            if distributed.rank() == 0:
+                try:
+                    self._ensure_universal(plan)
+                except Exception as e:  # every rank must learn of it, not hang
+                    err = f"{type(e).__name__}: {e}"
         err = distributed.broadcast_object(err)
         if err:
             raise CheckpointError(f"converting {self.dir / plan.tag} to a universal checkpoint failed on rank 0: {err}")

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from admin_ds import distributed, logs
 from admin_ds.data import EpochBatchIterator
 from admin_ds.data.binarize import open_split
 from admin_ds.data.subword import SubwordModel
@@ -27,9 +28,10 @@ from admin_ds.train.runners import LN2, Runner
 
 @dataclass(frozen=True)
 class BleuTools:
-    """What BLEU needs from inference: ``translate(model, subword, lines, beam=, lenpen=, max_tokens=)``
-    -> one string per line (admin_ds.inference.translate.translate) and ``score(hyps, refs, "src-tgt")``
-    -> {"bleu", "tok_bleu", "chrf", "signature", ...} (admin_ds.inference.scoring.score)."""
+    """What BLEU needs from inference: ``translate(model, subword, lines, beam=, lenpen=, max_tokens=,
+    max_len_a=, max_len_b=, progress=)`` -> one string per line (admin_ds.inference.translate.translate)
+    and ``score(hyps, refs, "src-tgt")`` -> {"bleu", "tok_bleu", "chrf", "signature", ...}
+    (admin_ds.inference.scoring.score)."""
 
     translate: Callable
     score: Callable
@@ -67,13 +69,15 @@ class Evaluator:
 
     def bleu(self, split: str) -> Optional[dict]:
         """Collective (the state is gathered); the result on rank 0, None elsewhere, and None
-        everywhere without ``bleu_tools``."""
+        everywhere without ``bleu_tools``. Rank 0 decodes alone, for as long as the split takes: the
+        other ranks wait for it outside any collective (distributed.rank0_alone)."""
         if self.tools is None:
             return None
         state = self.runner.state_dict()
-        if state is None:
-            return None
+        with distributed.rank0_alone():
+            return None if state is None else self._decode_and_score(split, state)
 
+    def _decode_and_score(self, split: str, state: dict) -> dict:
         s, t = self.manifest["src_lang"], self.manifest["tgt_lang"]
         srcs = (self.data_dir / f"{split}.{s}").read_text(encoding="utf-8").splitlines()
         refs = (self.data_dir / f"{split}.{t}").read_text(encoding="utf-8").splitlines()
@@ -82,10 +86,13 @@ class Evaluator:
             srcs, refs = srcs[:n], refs[:n]
         model = build_model(self.cfg, seed=0).to(self.runner.device)
         model.load_state_dict({k: v.float() for k, v in state.items()})
+        tr = self.run.train
         t0 = time.perf_counter()
-        hyps = self.tools.translate(model, SubwordModel(self.data_dir / self.manifest["subword_model"]), srcs,
-                                    beam=self.run.train.bleu_beam, lenpen=self.run.train.bleu_lenpen,
-                                    max_tokens=self.run.data.max_tokens)
+        with logs.progress(len(srcs), f"bleu {split}") as bar:
+            hyps = self.tools.translate(model, SubwordModel(self.data_dir / self.manifest["subword_model"]), srcs,
+                                        beam=tr.bleu_beam, lenpen=tr.bleu_lenpen, max_tokens=self.run.data.max_tokens,
+                                        max_len_a=tr.bleu_max_len_a, max_len_b=tr.bleu_max_len_b,
+                                        progress=bar.update)
         elapsed = time.perf_counter() - t0
         (self.run_dir / f"{split}.hyp.{t}").write_text("\n".join(hyps) + "\n", encoding="utf-8")
         result = self.tools.score(hyps, refs, f"{s}-{t}")

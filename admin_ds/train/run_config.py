@@ -106,6 +106,13 @@ class TrainSection:
     bleu_beam: int = 4
     bleu_lenpen: float = 0.6
     bleu_max_sentences: Optional[int] = None  # evaluate BLEU on the first N test sentences
+    # Output length bound a x source length + b, as launch/translate.py's --max-len-a/-b: without
+    # it, an early model that rarely emits EOS decodes every sentence to the model's limit.
+    bleu_max_len_a: float = 1.2
+    bleu_max_len_b: int = 10
+    # Beam x data.max_tokens x (a + b + 1) above this is refused at start-up (admin_ds/inference/
+    # limits.py, translate.py's --max-decode-cells); None: that module's default.
+    bleu_max_decode_cells: Optional[int] = None
     seed: int = 1
     tensorboard: bool = False
     resume: bool = True  # continue from the newest complete checkpoint in run_dir
@@ -183,6 +190,14 @@ class RunConfig:
         need(self.train.keep_last >= 1, "train.keep_last", "must be >= 1")
         need(self.train.patience is None or self.train.patience >= 1, "train.patience",
              "must be >= 1 (validations without improvement), or null to train to max_updates")
+        t = self.train
+        need(t.bleu_beam >= 1, "train.bleu_beam", "must be >= 1")
+        need(t.bleu_max_sentences is None or t.bleu_max_sentences >= 1, "train.bleu_max_sentences",
+             "must be >= 1 (leave it out for the whole split)")
+        need(t.bleu_max_len_a >= 0, "train.bleu_max_len_a", "must be >= 0")
+        need(t.bleu_max_len_b >= 0, "train.bleu_max_len_b", "must be >= 0")
+        need(t.bleu_max_decode_cells is None or t.bleu_max_decode_cells >= 1, "train.bleu_max_decode_cells",
+             "must be >= 1")
         need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
         need(not (self.engine.compile and self.engine.pipeline_stages > 1), "engine.compile",
              "compiles the data-parallel path's layers; pipeline stages run eagerly")

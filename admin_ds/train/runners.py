@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from admin_ds import distributed
+from admin_ds import distributed, logs
 from admin_ds.model.config import ModelConfig
 from admin_ds.model.flops import token_counts
 from admin_ds.model.profiling import OmegaRecorder, Profile, SublayerProfile, finalize_omega, measure_profile
@@ -217,8 +217,9 @@ class PipelineRunner(Runner):
         world = distributed.world_size()
         self.stage = PipelineStage(cfg, run.train.seed, stages, stage_of_rank(self.rank, world, stages))
         self._set_decoder_masking(self.stage.model)
-        module = StagePipelineModule(self.stage, loss_fn=self._loss,
-                                     activation_checkpointing=run.engine.activation_checkpointing)
+        with logs.without_known_prints():
+            module = StagePipelineModule(self.stage, loss_fn=self._loss,
+                                         activation_checkpointing=run.engine.activation_checkpointing)
         self.engine = eng.initialize(module, run, ds)
         self.model = self.engine.module
         install_skip(self.engine)
