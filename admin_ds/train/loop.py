@@ -102,15 +102,17 @@ class RunLog:
 
 
 class Progress:
-    """The progress bar (rank 0, stderr) and the train records: loss, learning rate, and the
+    """The progress bar (rank 0, stderr, on a terminal) and the train records: loss, learning rate, and the
     throughput over the updates since the previous record."""
 
     def __init__(self, log: RunLog, total: int, initial: int, enabled: bool) -> None:
         from tqdm import tqdm
 
         self.log, self.enabled = log, enabled
-        self.bar = tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="upd",
-                        mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
+        # A bar on a terminal only: into a log file its redraws pile up as one unreadable line, and
+        # the record lines below say the same every train.log_interval updates.
+        self.bar = tqdm(total=total, initial=initial, disable=not (enabled and sys.stderr.isatty()),
+                        desc="train", unit="upd", mininterval=2.0, file=sys.stderr, dynamic_ncols=True)
         self.tokens, self.t0 = 0, time.perf_counter()
 
     def update(self, ntokens: int) -> None:
