@@ -144,6 +144,32 @@ def test_activation_checkpointing_recomputes_the_same_masks():
         assert torch.equal(a, b)
 
 
+def test_compiled_layers_draw_the_same_masks_as_eager():
+    """Under engine.compile the masks are drawn by eager code between the compiled pieces, in the
+    eager order: the same loss and gradients (``aot_eager``: dynamo's graphs without generating
+    C++, as tests/test_fast_paths.py does)."""
+    import torch._dynamo
+
+    from admin_ds.model.transformer import compile_layers
+
+    cfg = get_preset("debug-tiny", **TINY)
+    eager, compiled = build_model(cfg, seed=1), build_model(cfg, seed=1)
+    torch._dynamo.reset()
+    compile_layers(compiled, backend="aot_eager")
+    src, tgt = torch.randint(4, 300, (4, 9)), torch.randint(4, 300, (4, 7))
+    results = []
+    for model in (eager, compiled):
+        set_dropout_impl(model, "bulk")
+        torch.manual_seed(9)
+        loss = model(src, tgt).pow(2).mean()
+        loss.backward()
+        results.append((loss.item(), [p.grad for p in model.parameters()]))
+    torch._dynamo.reset()
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def train_copy_task(impl: str, steps: int = 120) -> list[float]:
     """A tiny model learns to copy random sentences (dropout 0.1 everywhere): the losses."""
     cfg = get_preset("debug-tiny", **TINY, dropout_p=0.1, attention_dropout_p=0.1, activation_dropout_p=0.1)

@@ -196,6 +196,7 @@ def _refused(*args, ds=None, tmp=None):
     ({}, ["--data.path=/nonexistent/dir"], "data.path: /nonexistent/dir: no manifest.json"),
     ({"zero_optimization": {"stage": 3}}, ["--engine.compile=true"], "zero_optimization.stage=3 with engine.compile"),
     ({}, ["--optim.implementation=fused"], "optim.implementation: 'fused' has Adam and AdamW only"),
+    ({}, ["--engine.dropout=philox"], "engine.dropout: must be one of torch, bulk"),
     ("{ not json", [], "invalid JSON"),
 ])
 def test_refused_configurations(tmp_path, ds, extra, message):
