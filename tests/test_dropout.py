@@ -30,9 +30,12 @@ def within(mean: float, q: float, n: int, sigmas: float = 5.0) -> bool:
 @pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 25 / 256, 0.0123, 0.9])
 def test_keep_rate_is_one_minus_p(p):
     torch.manual_seed(0)
-    keep = keep_mask((N,), p)
-    assert keep.dtype == torch.bool and keep.shape == (N,)
-    assert within(keep.double().mean().item(), 1 - p, N)
+    n = N + 5  # not a whole number of 64-bit words
+    keep = keep_mask((n,), p)
+    assert keep.dtype == torch.bool and keep.shape == (n,)
+    assert within(keep.double().mean().item(), 1 - p, n)
+    as_float = keep_mask((n,), p, dtype=torch.float32)  # what the model multiplies by
+    assert set(as_float.unique().tolist()) == {0.0, 1.0} and within(as_float.double().mean().item(), 1 - p, n)
 
 
 def test_ties_are_resolved_not_rounded():

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 DROPOUT_IMPLS = ("torch", "bulk")
 
 
-def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A bool tensor of ``shape``, each element True with probability exactly ``1 - p``."""
+def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """A tensor of ``shape``, each element 1 (True) with probability exactly ``1 - p``, else 0."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     n = 1
@@ -38,43 +39,49 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
         n *= s
     # The full 64-bit range (from = int64 min, to = None): random_() alone leaves the top bit zero.
     words = torch.empty((n + 7) // 8, dtype=torch.int64, device=device).random_(-2**63, None)
-    u = words.view(torch.uint8)[:n]
+    u = words.view(torch.uint8)  # n rounded up to whole words: the word-wise search below needs them
     q = p * 256.0
     q8 = int(q)
-    keep = u >= q8
+    # Written straight into the mask's dtype: a float mask multiplies at full speed, where a bool
+    # one is converted element by element (twice the time, forward and backward).
+    keep = torch.ge(u, q8, out=torch.empty(u.shape, dtype=dtype, device=device))
     frac = q - q8
     if frac > 0.0:  # the ties are dropped with probability frac (none where 256 p is whole)
-        ties = (u == q8).nonzero().squeeze(1)
-        keep[ties] = torch.rand(ties.numel(), dtype=torch.float64, device=device) >= frac
-    return keep.view(shape)
+        tie = u == q8
+        # One byte in 256 ties: searched for a 64-bit word at a time, 8x fewer elements to scan.
+        words_with_ties = tie.view(torch.int64).nonzero().squeeze(1)
+        candidates = (words_with_ties[:, None] * 8 + torch.arange(8, device=device)).flatten()
+        ties = candidates[tie[candidates]]
+        keep[ties] = (torch.rand(ties.numel(), dtype=torch.float64, device=device) >= frac).to(dtype)
+    return keep[:n].view(shape)
 
 
 class _Masked(torch.autograd.Function):
-    """``x * keep / (1 - p)`` with the bool mask saved for the backward (as torch's dropout saves
-    its own): one byte per element kept for the backward, not a float mask."""
+    """``x * mask * scale``, the mask (0 or 1 in x's dtype) saved for the backward: torch's own
+    CPU dropout arithmetic, so kept elements equal its ``x * (1 / (1 - p))`` bit for bit."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.save_for_backward(keep)
+    def forward(ctx, x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(mask)
         ctx.scale = scale
-        return torch.where(keep, x, 0.0).mul_(scale)
+        return x.mul(mask).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad, 0.0).mul_(ctx.scale), None, None
+        (mask,) = ctx.saved_tensors
+        return grad.mul(mask).mul_(ctx.scale), None, None
 
 
 def bulk_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """Training-mode dropout of ``x`` with a ``keep_mask``."""
-    return _Masked.apply(x, _mask_outside_graph(x.shape, p, x.device), 1.0 / (1.0 - p))
+    return _Masked.apply(x, _mask_outside_graph(x.shape, p, x.device, x.dtype), 1.0 / (1.0 - p))
 
 
 @torch.compiler.disable
-def _mask_outside_graph(shape, p, device) -> torch.Tensor:
+def _mask_outside_graph(shape, p, device, dtype) -> torch.Tensor:
     # A compiled layer (engine.compile) takes the mask from eager code: the ties' count is data-
     # dependent, which a graph cannot hold without breaking anyway.
-    return keep_mask(shape, p, device)
+    return keep_mask(shape, p, device, dtype)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, impl: str = "torch") -> torch.Tensor:
