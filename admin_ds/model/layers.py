@@ -345,8 +345,9 @@ class MultiheadAttention(nn.Module):
 
     def _attend_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
-        """SDPA's own math path, (B, H, T, Dh) in and out, with ``dropout_impl``'s masks on the
-        attention weights: SDPA draws its dropout masks from torch's generator, inside the kernel."""
+        """Attention with ``dropout_impl``'s masks on its weights, (B, H, T, Dh) in and out. SDPA
+        draws its masks inside the kernel from torch's generator, so the weights are computed here
+        as SDPA's math path computes them (the path it takes on a CPU with dropout anyway)."""
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)
         if causal:
             t, s = scores.shape[-2:]
