@@ -162,6 +162,11 @@ class DataParallelRunner(Runner):
             compile_layers(model)
         self.engine = eng.initialize(model, run, ds)
         self.model = self.engine.module
+        if self.dp == 1 and eng.zero_stage(ds) == 0:
+            # Without ZeRO DeepSpeed all-reduces the gradients after each backward, copying every
+            # one into flat buckets first; over a group of one rank that is an identity (divided
+            # by 1), and the copies were ~3% of a CPU update (BENCHMARKS.md): skipped.
+            self.engine.enable_backward_allreduce = False
         install_skip(self.engine)  # non-finite updates are skipped under every ZeRO stage
 
     def train_step(self, batches: list[dict]) -> dict:
