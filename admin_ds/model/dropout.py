@@ -49,11 +49,26 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
     if frac > 0.0:  # the ties are dropped with probability frac (none where 256 p is whole)
         tie = u == q8
         # One byte in 256 ties: searched for a 64-bit word at a time, 8x fewer elements to scan.
-        words_with_ties = tie.view(torch.int64).nonzero().squeeze(1)
+        words_with_ties = _nonzero(tie.view(torch.int64))
         candidates = (words_with_ties[:, None] * 8 + torch.arange(8, device=device)).flatten()
         ties = candidates[tie[candidates]]
         keep[ties] = (torch.rand(ties.numel(), dtype=torch.float64, device=device) >= frac).to(dtype)
     return keep[:n].view(shape)
+
+
+def _nonzero(x: torch.Tensor) -> torch.Tensor:
+    """``x.nonzero().squeeze(1)`` of a 1-d tensor, on one thread on a CPU. torch's CPU nonzero
+    splits its two passes over the threads with a barrier between them; on a machine whose cores
+    other processes share, the barrier waits for a descheduled thread: 64 ms against 8 ms on one
+    thread for 10^6 words (2 threads, load average 7). One thread scans them in a few ms."""
+    if x.device.type != "cpu" or torch.get_num_threads() == 1:
+        return x.nonzero().squeeze(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return x.nonzero().squeeze(1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _Masked(torch.autograd.Function):
