@@ -4,7 +4,8 @@ Every profiled operator's *self* time (CPU time on a CPU; the time of the kernel
 GPU) goes to one category:
 
     matmul             products with weight matrices (forward and backward)
-    attention          scaled dot-product attention, its softmax and dropout, any backend
+    attention          scaled dot-product attention, its softmax and dropout, any backend (computed
+                       outside SDPA: its products and softmax)
     layer norm         LayerNorm forward and backward
     other compute      dropout, activations, residual sums, embeddings, the loss
     optimizer          torch's ``Optimizer.step`` (inside DeepSpeed's step)
@@ -31,6 +32,10 @@ CATEGORIES = ("matmul", "attention", "layer norm", "other compute", "optimizer",
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
           "aten::addmv", "aten::mv"}
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+# Attention computed outside SDPA (engine.dropout=bulk, layers.py ``_attend_dropout``): its
+# batched products and softmax. Nothing else in a training step runs these (the linear layers
+# are mm/addmm, the loss a log-softmax); its masking and dropout count as other compute.
+ATTENTION_OPS = {"aten::bmm", "aten::softmax", "aten::_softmax"}
 COMMUNICATION = ("c10d::", "nccl:", "gloo:", "record_param_comms")
 EVALUATE = "autograd::engine::evaluate_function: "
 
@@ -53,7 +58,7 @@ def _ancestors(e):
 
 def _op_category(chain) -> str:
     names = [e.name for e in chain]
-    if any(k in n for n in names for k in ATTENTION):
+    if any(k in n for n in names for k in ATTENTION) or any(n in ATTENTION_OPS for n in names):
         return "attention"
     if any("layer_norm" in n for n in names):
         return "layer norm"

@@ -247,7 +247,7 @@ run() {
         fi
         if [ "$part" = features ] || [ "$part" = all ]; then
             "${bench[@]}" --presets debug-tiny --ds ds_configs/zero2.json --engine.skip_padding=true \
-                >> "$out/throughput.log" 2>&1 || status=1
+                --engine.dropout=bulk >> "$out/throughput.log" 2>&1 || status=1
         fi
     else
         if [ "$part" = bench ] || [ "$part" = all ]; then
@@ -262,7 +262,8 @@ run() {
             # each feature against the same run without it (base-6L-6L, bf16, ZeRO-2)
             local variant
             for variant in "" --engine.skip_padding=true --data.pad_to_multiple=8 --engine.mask_padded_target_keys=true \
-                           --engine.activation_checkpointing=true --engine.compile=true \
+                           --engine.activation_checkpointing=true --engine.compile=true --engine.dropout=bulk \
+                           "--engine.compile=true --engine.dropout=bulk" \
                            "--optim.optimizer=adamw --optim.implementation=foreach" \
                            "--optim.optimizer=adamw --optim.implementation=fused" \
                            "--optim.optimizer=adamw --optim.implementation=deepspeed" \

@@ -64,6 +64,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def significant(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant figures: a loaded or small CPU measures rates of 0.001
+    TFLOP/s, which four decimals would round by several percent."""
+    return float(f"{x:.{digits}g}")
+
+
 def gemm_tflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int, repeats: int) -> float:
     """Median rate of an (m x k) @ (k x n) product on random data (never zeros: they run faster),
     alternating between two input pairs, after two warm-up products."""
@@ -93,9 +99,9 @@ def measured_peak(device: torch.device, precision: str, cfg, max_tokens: int, si
     and the feed-forward layer's own shape."""
     dtype = DTYPES[precision]
     n, repeats = (size or 8192, 20) if device.type == "cuda" else (size or 4096, 3)
-    out = {"peak_tflops": round(gemm_tflops(device, dtype, n, n, n, repeats), 3),
-           "layer_gemm_tflops": round(gemm_tflops(device, dtype, max_tokens, cfg.model_dim, cfg.ffn_inner_dim,
-                                                  repeats * 3), 3)}
+    out = {"peak_tflops": significant(gemm_tflops(device, dtype, n, n, n, repeats)),
+           "layer_gemm_tflops": significant(gemm_tflops(device, dtype, max_tokens, cfg.model_dim, cfg.ffn_inner_dim,
+                                                        repeats * 3))}
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         spec = next((peaks for frag, peaks in VENDOR_PEAK if frag in name), None)
@@ -162,7 +168,7 @@ def bench_preset(args, preset: str, overrides: list[str]) -> dict:
            "threads": torch.get_num_threads(), "max_tokens": args.max_tokens, "updates": args.updates,
            "tokens_per_s": round(tokens / dt), "update_s": round(dt / args.updates, 4),
            "padding": round(padding_fraction(batches, t.cfg.pad_idx), 4),
-           "tflops": round(achieved, 4), "padded_tflops": round(padded_flops / dt / 1e12, 4), **peak,
+           "tflops": significant(achieved), "padded_tflops": significant(padded_flops / dt / 1e12), **peak,
            "mfu_measured": round(achieved / peak["peak_tflops"], 4),
            "mfu_vs_square": round(achieved / peak["peak_tflops"], 4),
            "mfu_vs_layer": round(achieved / peak["layer_gemm_tflops"], 4),

@@ -297,3 +297,18 @@ def test_engine_with_the_fast_paths_trains_identically(tmp_path, data_dir, fixed
                            run_overrides=overrides(tmp_path / f"r{name}", data_dir, *common, *extra))[0]
     assert runs["fast"]["losses"] == pytest.approx(runs["plain"]["losses"], rel=1e-6)
     assert runs["fast"]["grad_norms"] == pytest.approx(runs["plain"]["grad_norms"], rel=1e-5)
+
+
+def test_one_rank_without_zero_skips_the_identity_all_reduce(tmp_path, data_dir, fixed_profile):
+    """ZeRO-0 on one rank leaves out DeepSpeed's gradient all-reduce (a flattening copy of every
+    gradient for a sum over one rank): the same losses, gradient norms and weights as ZeRO-1 on
+    one rank, which reduces its own way."""
+    runs = {}
+    for stage in (0, 1):
+        runs[stage] = spawn(1, "train_updates", tmp_path / f"z{stage}", ds=ZERO[stage], tmp=str(tmp_path), updates=3,
+                            run_overrides=overrides(tmp_path / f"r{stage}", data_dir,
+                                                    f"--admin.profile={fixed_profile}", *NO_DROPOUT))[0]
+    assert runs[0]["losses"] == pytest.approx(runs[1]["losses"], rel=1e-6)
+    assert runs[0]["grad_norms"] == pytest.approx(runs[1]["grad_norms"], rel=1e-5)
+    for name, value in runs[1]["params"].items():
+        assert runs[0]["params"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name

@@ -228,9 +228,10 @@ def test_plain_optimizer_skips_nonfinite_gradients():
     opt = torch.optim.RAdam([p], lr=0.1)
     engine = type("E", (), {"optimizer": opt})()
     assert install_skip(engine)
-    p.grad = torch.tensor([1.0, float("nan"), 0.0])
-    opt.step()
-    assert opt.overflow and torch.equal(p.detach(), torch.ones(3)) and not opt.state
+    for bad in ([1.0, float("nan"), 0.0], [float("inf"), 1.0, 0.0], [float("inf"), float("-inf"), 0.0]):
+        p.grad = torch.tensor(bad)
+        opt.step()
+        assert opt.overflow and torch.equal(p.detach(), torch.ones(3)) and not opt.state, bad
     p.grad = torch.tensor([1.0, 1.0, 1.0])
     opt.step()
     assert not opt.overflow and not torch.equal(p.detach(), torch.ones(3))

@@ -125,12 +125,15 @@ def _train_losses(run_dir):
     return {r["update"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
-def test_kill_and_resume_continues_identically(tmp_path, data_dir):
-    """With dropout on: an uninterrupted run vs. one SIGKILLed after its update-3 checkpoint and
-    resumed by the same command. The resumed updates equal the uninterrupted ones."""
-    _train_cli(tmp_path / "a", data_dir, 6)
+@pytest.mark.parametrize("dropout", ["torch", "bulk"])
+def test_kill_and_resume_continues_identically(tmp_path, data_dir, dropout):
+    """With dropout on (either mask generator): an uninterrupted run vs. one SIGKILLed after its
+    update-3 checkpoint and resumed by the same command. The resumed updates equal the
+    uninterrupted ones."""
+    impl = [f"--engine.dropout={dropout}"]
+    _train_cli(tmp_path / "a", data_dir, 6, extra=impl)
     ref = _train_losses(tmp_path / "a")
-    proc = _train_cli(tmp_path / "b", data_dir, 6, extra=["--train.save_interval_updates=3"], wait=False)
+    proc = _train_cli(tmp_path / "b", data_dir, 6, extra=["--train.save_interval_updates=3", *impl], wait=False)
     marker = tmp_path / "b/checkpoints/update_000003/COMPLETE"
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
@@ -138,7 +141,7 @@ def test_kill_and_resume_continues_identically(tmp_path, data_dir):
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert marker.exists()
-    _train_cli(tmp_path / "b", data_dir, 6)
+    _train_cli(tmp_path / "b", data_dir, 6, extra=impl)
     resumed = _train_losses(tmp_path / "b")
     for u in (4, 5, 6):
         assert resumed[u] == pytest.approx(ref[u], rel=1e-6), (u, resumed[u], ref[u])
@@ -231,6 +234,7 @@ def _refused(*args, ds=None, tmp=None):
     ({}, ["--data.path=/nonexistent/dir"], "data.path: /nonexistent/dir: no manifest.json"),
     ({"zero_optimization": {"stage": 3}}, ["--engine.compile=true"], "zero_optimization.stage=3 with engine.compile"),
     ({}, ["--optim.implementation=fused"], "optim.implementation: 'fused' has Adam and AdamW only"),
+    ({}, ["--engine.dropout=philox"], "engine.dropout: must be one of torch, bulk"),
     ("{ not json", [], "invalid JSON"),
 ])
 def test_refused_configurations(tmp_path, ds, extra, message):

@@ -11,7 +11,9 @@ first (transformer.py), so construction draws no random numbers and allocates no
 Shapes:  B batch, S source length, T target length, D model_dim, H heads, Dh = D / H,
          F ffn_inner_dim, V vocabulary, N real (non-pad) tokens. Activations are batch-first.
 
-This file imports torch, config.py and residual.py only: no deepspeed, no torch.distributed.
+This file imports torch, config.py, dropout.py and residual.py only: no deepspeed, no
+torch.distributed. Every module that drops out has a ``dropout_impl`` attribute (dropout.py), a
+runtime choice like ``mask_padded_keys``, not part of the architecture.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from admin_ds.model.config import ModelConfig
+from admin_ds.model.dropout import dropout
 from admin_ds.model.residual import Residual
 
 NEG_INF = -math.inf
@@ -299,6 +302,8 @@ class MultiheadAttention(nn.Module):
         # Decoding may install one product for Q, K and V of a self-attention step (inference.py).
         self.qkv_proj: Optional[nn.Module] = None
 
+    dropout_impl: str = "torch"
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, L, D) -> (B, H, L, Dh)
         b, l, d = x.shape
         return x.view(b, l, self.num_heads, d // self.num_heads).transpose(1, 2)
@@ -325,15 +330,32 @@ class MultiheadAttention(nn.Module):
                 t = q.size(-2)
                 mask = mask & torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
                 causal = False
-            out = F.scaled_dot_product_attention(
-                self._heads(q), self._heads(k), self._heads(v), attn_mask=mask, is_causal=causal,
-                dropout_p=self.dropout_p if self.training else 0.0)
+            if self.training and self.dropout_p > 0 and self.dropout_impl != "torch":
+                out = self._attend_dropout(self._heads(q), self._heads(k), self._heads(v), mask, causal)
+            else:
+                out = F.scaled_dot_product_attention(
+                    self._heads(q), self._heads(k), self._heads(v), attn_mask=mask, is_causal=causal,
+                    dropout_p=self.dropout_p if self.training else 0.0)
             b, h, t, dh = out.shape
             out = out.transpose(1, 2).reshape(b, t, h * dh)
             return self.out_proj(out if unpadded is None else unpadded.unpad(out))
         if memory is None:
             return self._self_attention_step(query, state)
         return self._encoder_attention_step(query, memory, key_padding_mask, state)
+
+    def _attend_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """Attention with ``dropout_impl``'s masks on its weights, (B, H, T, Dh) in and out. SDPA
+        draws its masks inside the kernel from torch's generator, so the weights are computed here
+        as SDPA's math path computes them (the path it takes on a CPU with dropout anyway)."""
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)
+        if causal:
+            t, s = scores.shape[-2:]
+            mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:  # True where a query may look
+            scores = scores.masked_fill(~mask, NEG_INF)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
+        return torch.matmul(dropout(probs, self.dropout_p, True, self.dropout_impl), v)
 
     def _self_attention_step(self, query: torch.Tensor, state: IncrementalState) -> torch.Tensor:
         rows, t, d = query.shape
@@ -391,7 +413,7 @@ class MultiheadAttention(nn.Module):
         if hidden is not None:  # True where a query must not look (padding, future positions)
             scores.masked_fill_(hidden, NEG_INF)
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)  # bf16/fp16: fp32 softmax
-        probs = F.dropout(probs, self.dropout_p, self.training)
+        probs = dropout(probs, self.dropout_p, self.training, self.dropout_impl)
         return torch.matmul(probs, v)
 
 
@@ -403,8 +425,10 @@ class FeedForward(nn.Module):
         self.activation = F.relu if cfg.activation == "relu" else F.gelu
         self.activation_dropout_p = cfg.activation_dropout_p
 
+    dropout_impl: str = "torch"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.dropout(self.activation(self.fc1(x)), self.activation_dropout_p, self.training)
+        h = dropout(self.activation(self.fc1(x)), self.activation_dropout_p, self.training, self.dropout_impl)
         return self.fc2(h)
 
 
@@ -418,12 +442,13 @@ class _SubLayers(nn.Module):
 
     norm_order: str
     dropout_p: float
+    dropout_impl: str = "torch"
 
     def sublayer(self, x: torch.Tensor, branch, norm: nn.Module, residual: Residual) -> torch.Tensor:
         """Post-LN:  x_i = LN(res(x, drop(f(x))))     Pre-LN:  x_i = res(x, drop(f(LN(x))))"""
         if self.norm_order == "post":
-            return norm(residual(x, F.dropout(branch(x), self.dropout_p, self.training)))
-        return residual(x, F.dropout(branch(norm(x)), self.dropout_p, self.training))
+            return norm(residual(x, dropout(branch(x), self.dropout_p, self.training, self.dropout_impl)))
+        return residual(x, dropout(branch(norm(x)), self.dropout_p, self.training, self.dropout_impl))
 
 
 class EncoderLayer(_SubLayers):

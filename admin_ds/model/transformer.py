@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from admin_ds.model.config import ModelConfig
+from admin_ds.model.dropout import DROPOUT_IMPLS, dropout
 from admin_ds.model.init import get_init_scheme
 from admin_ds.model.layers import DecoderLayer, EncoderLayer, IncrementalState, TokenEmbedding, Unpadded
 
@@ -112,6 +112,8 @@ class EncoderDecoder(nn.Module):
         # 60L-100L model trains in the memory of a few layers' activations for ~1/3 more compute.
         self.activation_checkpointing = False
 
+    dropout_impl: str = "torch"  # where dropout masks come from (dropout.py); ``set_dropout_impl``
+
     def _run(self, layer: nn.Module, *args) -> torch.Tensor:
         if self.activation_checkpointing and self.training and torch.is_grad_enabled():
             return checkpoint(layer, *args, use_reentrant=False)
@@ -144,14 +146,14 @@ class EncoderDecoder(nn.Module):
         x = self.src_embed(src_tokens)
         if self.cfg.embedding_output_scale:
             x = x * self.src_embed_scale
-        return F.dropout(x, self.cfg.dropout_p, self.training)
+        return dropout(x, self.cfg.dropout_p, self.training, self.dropout_impl)
 
     def embed_target(self, tgt_in_tokens: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         """(B, T) -> (B, T, D); positions continue from ``position_offset`` while decoding."""
         y = self.target_embedding(tgt_in_tokens, position_offset=position_offset)
         if self.cfg.embedding_output_scale:
             y = y * self.tgt_embed_scale
-        return F.dropout(y, self.cfg.dropout_p, self.training)
+        return dropout(y, self.cfg.dropout_p, self.training, self.dropout_impl)
 
     def project(self, y: torch.Tensor) -> torch.Tensor:
         """(B, T, D) -> (B, T, V)."""
@@ -253,6 +255,15 @@ def compile_layers(model: nn.Module, **options) -> None:
     for stack in (model.encoder_layers, model.decoder_layers):
         for layer in stack:
             layer.compile(**options)
+
+
+def set_dropout_impl(model: nn.Module, impl: str) -> None:
+    """Every module of ``model`` that drops out draws its masks with ``impl`` (dropout.py)."""
+    if impl not in DROPOUT_IMPLS:
+        raise ValueError(f"dropout implementation {impl!r}: must be one of {', '.join(DROPOUT_IMPLS)}")
+    for m in model.modules():
+        if hasattr(m, "dropout_impl"):
+            m.dropout_impl = impl
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

@@ -66,7 +66,10 @@ def install_skip(engine) -> bool:
     def step(*args, **kwargs):
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         if grads:  # one device sync for the whole check, at .item() below
-            bad = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any().float().reshape(1)
+            # Each gradient's sum is non-finite where the gradient has an inf or a NaN (inf - inf
+            # is NaN), as DeepSpeed's own overflow check reads it: one pass over the gradients,
+            # where isfinite(g).all() took four (abs, ne, eq, all; 12% of a CPU update at 18L-18L).
+            bad = torch.isfinite(torch.stack([g.sum() for g in grads])).logical_not().any().float().reshape(1)
         else:  # on the parameters' device: NCCL reduces GPU tensors only
             bad = torch.zeros(1, device=opt.param_groups[0]["params"][0].device)
         # Every rank steps exactly once per update (data-parallel and pipeline), so this

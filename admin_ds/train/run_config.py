@@ -30,6 +30,7 @@ import yaml
 from admin_ds.errors import ConfigError
 from admin_ds.files import parse_yaml, read_config_text
 from admin_ds.model.config import ModelConfig
+from admin_ds.model.dropout import DROPOUT_IMPLS
 from admin_ds.model.presets import PRESET_NAMES, get_preset
 
 
@@ -133,6 +134,9 @@ class EngineSection:
     skip_padding: bool = False
     activation_checkpointing: bool = False  # recompute each layer's activations in the backward
     compile: bool = False  # torch.compile each encoder and decoder layer (data-parallel path)
+    # Where dropout masks come from (admin_ds/model/dropout.py): "torch" (F.dropout) or "bulk"
+    # (random bytes drawn in bulk; the same distribution, other numbers, far cheaper on a CPU).
+    dropout: str = "torch"
     # Training's decoder self-attention also masks padded target keys, as fairseq does. Off, it is
     # causal only (flash attention on a GPU); the loss and gradients are the same. Profiling
     # always masks them.
@@ -201,6 +205,7 @@ class RunConfig:
         need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
         need(not (self.engine.compile and self.engine.pipeline_stages > 1), "engine.compile",
              "compiles the data-parallel path's layers; pipeline stages run eagerly")
+        need(self.engine.dropout in DROPOUT_IMPLS, "engine.dropout", f"must be one of {', '.join(DROPOUT_IMPLS)}")
         need(self.data.pad_to_multiple >= 1, "data.pad_to_multiple", "must be >= 1")
         g = self.guard
         need(g.max_consecutive_nonfinite >= 0, "guard.max_consecutive_nonfinite", "must be >= 0 (0: never roll back)")

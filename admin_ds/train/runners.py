@@ -33,7 +33,7 @@ from admin_ds.model.config import ModelConfig
 from admin_ds.model.flops import token_counts
 from admin_ds.model.profiling import OmegaRecorder, Profile, SublayerProfile, finalize_omega, measure_profile
 from admin_ds.model.residual import iter_residuals
-from admin_ds.model.transformer import build_model, compile_layers
+from admin_ds.model.transformer import build_model, compile_layers, set_dropout_impl
 from admin_ds.train import engine as eng
 from admin_ds.train.guard import install_skip
 from admin_ds.train.hooks import Hooks
@@ -109,9 +109,10 @@ class Runner:
         return []
 
     # ---- shared -------------------------------------------------------------------------------
-    def _set_decoder_masking(self, model) -> None:
+    def _set_runtime_choices(self, model) -> None:
         for layer in model.decoder_layers:
             layer.mask_padded_keys = self.run.engine.mask_padded_target_keys
+        set_dropout_impl(model, self.run.engine.dropout)
 
     def _counts(self, batches: list[dict]) -> dict:
         """Target tokens, sentences and the padding fraction of the whole update (every pipeline
@@ -154,13 +155,18 @@ class DataParallelRunner(Runner):
         super().__init__(run, ds, cfg, hooks)
         self.dp, self.dp_rank, self.dp_group = distributed.world_size(), self.rank, None
         model = build_model(cfg, seed=run.train.seed)  # per-layer generators: the same on every rank
-        self._set_decoder_masking(model)
+        self._set_runtime_choices(model)
         self.skip_padding = run.engine.skip_padding
         model.activation_checkpointing = run.engine.activation_checkpointing
         if run.engine.compile:
             compile_layers(model)
         self.engine = eng.initialize(model, run, ds)
         self.model = self.engine.module
+        if self.dp == 1 and eng.zero_stage(ds) == 0:
+            # Without ZeRO DeepSpeed all-reduces the gradients after each backward, copying every
+            # one into flat buckets first; over a group of one rank that is an identity (divided
+            # by 1), and the copies were ~3% of a CPU update (BENCHMARKS.md): skipped.
+            self.engine.enable_backward_allreduce = False
         install_skip(self.engine)  # non-finite updates are skipped under every ZeRO stage
 
     def train_step(self, batches: list[dict]) -> dict:
@@ -216,7 +222,7 @@ class PipelineRunner(Runner):
         stages = run.engine.pipeline_stages
         world = distributed.world_size()
         self.stage = PipelineStage(cfg, run.train.seed, stages, stage_of_rank(self.rank, world, stages))
-        self._set_decoder_masking(self.stage.model)
+        self._set_runtime_choices(self.stage.model)
         with logs.without_known_prints():
             module = StagePipelineModule(self.stage, loss_fn=self._loss,
                                          activation_checkpointing=run.engine.activation_checkpointing)

@@ -100,3 +100,21 @@ def test_attention_runs_fused_kernels_with_padding_masks(dtype):
     ops = attention_ops(model, src, tgt)
     print(f"{dtype}, padded keys masked: {sorted(ops)}")
     assert not any("math" in name for name in ops), ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bulk_dropout_masks_on_gpu(dtype):
+    """engine.dropout=bulk on the GPU: the keep rate within 5 binomial deviations of 1 - p (p = 0.1,
+    the ties of 256 p resolved), kept elements scaled as torch's dropout scales them in ``dtype``."""
+    from admin_ds.model.dropout import dropout, keep_mask
+
+    torch.manual_seed(0)
+    n, p = 1 << 24, 0.1
+    keep = keep_mask((n,), p, device="cuda")
+    assert abs(keep.double().mean().item() - (1 - p)) <= 5 * (p * (1 - p) / n) ** 0.5
+    x = torch.randn(4096, 1024, device="cuda", dtype=dtype, requires_grad=True)
+    y = dropout(x, p, True, "bulk")
+    kept = y != 0
+    torch.testing.assert_close(y[kept], x.detach()[kept].mul(1 / (1 - p)), rtol=0, atol=0)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, kept.to(dtype).mul(1 / (1 - p)), rtol=0, atol=0)
