@@ -207,3 +207,20 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_trained_share_counts_finished_runs_only():
+    """The outcome plot's share: cells not run or unfinished are no evidence either way."""
+    from admin_ds.train.atlas_report import trained_share
+
+    def cell(init, depth, outcome, lr=1e-3):
+        return {"init": init, "depth": depth, "lr": lr, "warmup": 100, "outcome": outcome}
+
+    result = {"cells": [cell("admin", "60-12", "trained"), cell("admin", "60-12", "unfinished", lr=3e-3),
+                        cell("post", "60-12", "stalled"), cell("post", "60-12", "trained", lr=3e-3),
+                        cell("pre", "60-12", "unfinished"), cell("pre", "60-12", "missing", lr=3e-3)]}
+    settings = [(1e-3, 100), (3e-3, 100)]
+    assert trained_share(result, "admin", "60-12", settings) == 1.0
+    assert trained_share(result, "post", "60-12", settings) == 0.5
+    assert math.isnan(trained_share(result, "pre", "60-12", settings))
+    assert math.isnan(trained_share(result, "deepnorm", "60-12", settings))

@@ -246,6 +246,13 @@ def plot_omega(result: dict, path: Path) -> Optional[Path]:
     return _save(fig, path)
 
 
+def trained_share(result: dict, init: str, depth: str, settings: list) -> float:
+    """The share of ``init``'s finished runs at ``depth`` (over ``settings`` and the seeds) that
+    trained; NaN (a gap in the plot, not 0) where none has finished: not run, or still running."""
+    runs = [c for lr, w in settings for c in _cells(result, init, depth, lr, w) if c["outcome"] != "unfinished"]
+    return sum(1 for c in runs if c["outcome"] == "trained") / len(runs) if runs else float("nan")
+
+
 def plot_output_change(result: dict, path: Path) -> Optional[Path]:
     oc = result.get("output_change")
     if not oc:
@@ -257,11 +264,8 @@ def plot_output_change(result: dict, path: Path) -> Optional[Path]:
     for init, rows in oc["inits"].items():
         axes[0].errorbar(x, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], marker="o", capsize=3,
                          color=COLORS.get(init), label=init)
-        share = []
-        for d in depths:
-            runs = [c for lr, w in settings for c in _cells(result, init, d, lr, w)]
-            share.append(sum(1 for c in runs if c["outcome"] == "trained") / max(1, len(runs)))
-        axes[1].plot(x, share, marker="o", color=COLORS.get(init), label=init)
+        axes[1].plot(x, [trained_share(result, init, d, settings) for d in depths], marker="o",
+                     color=COLORS.get(init), label=init)
     axes[0].set_yscale("log")
     axes[0].set_title(f"Theorem 2: |F(W) - F(W + delta)|^2, sigma {oc['sigma']}", fontsize=9)
     _style(axes[0], "depth", "output change at init (per token)", depths)
