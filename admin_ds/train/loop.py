@@ -58,6 +58,16 @@ class TrainState:
     best_valid_loss: Optional[float] = None  # train.patience: the best validation loss so far
     valids_since_best: int = 0               # and the validations since it
 
+    def note_validation(self, loss: float) -> None:
+        if self.best_valid_loss is None or loss < self.best_valid_loss:
+            self.best_valid_loss, self.valids_since_best = loss, 0
+        else:
+            self.valids_since_best += 1
+
+    def converged(self, patience: Optional[int]) -> bool:
+        """No improvement for ``patience`` validations in a row (never with None)."""
+        return patience is not None and self.valids_since_best >= patience
+
 
 class RunLog:
     """Rank 0 prints and appends to RUN_DIR/metrics.jsonl (and TensorBoard if asked)."""
@@ -215,6 +225,13 @@ def read_manifest(data_dir: Path, rank: int, reverse: bool = False) -> dict:
     return reversed_manifest(result) if reverse else result
 
 
+def write_configs(run_dir: Path, run: RunConfig, ds: dict) -> None:
+    """The resolved run config and engine config, as the run uses them (rank 0)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run_config.json").write_text(dump_run_config(run) + "\n")
+    (run_dir / "ds_config.json").write_text(json.dumps(ds, indent=1) + "\n")
+
+
 def given_profile(path: Optional[str], cfg: ModelConfig) -> Optional[Profile]:
     """``admin.profile``, read and checked against the model before any work: a file of another
     architecture (or a deepnmt list of another length) is refused with nothing written."""
@@ -275,9 +292,7 @@ class Training:
         self.resume_plan = self.checkpoints.plan_resume(self.layout, self.cfg, self.manifest) if run.train.resume else None
         configure_loading(self.ds, self.resume_plan)
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "run_config.json").write_text(dump_run_config(run) + "\n")
-            (self.run_dir / "ds_config.json").write_text(json.dumps(self.ds, indent=1) + "\n")
+            write_configs(self.run_dir, run, self.ds)
 
         cfg = self.cfg
         self.runner = make_runner(run, self.ds, cfg, self.hooks)
@@ -434,7 +449,7 @@ class Training:
         t_start = time.perf_counter()
         last, stopped = {}, None
         self.stop.install()
-        while self.state.update < run.train.max_updates and not self.converged():
+        while self.state.update < run.train.max_updates and not self.state.converged(run.train.patience):
             if run.train.max_epochs and self.iterator.epoch > run.train.max_epochs:
                 break
             stats = self.train_update()
@@ -482,7 +497,9 @@ class Training:
             v = self.evaluator.valid_loss(run.data.valid_split)
             self.log.record("valid", update=u, **v)
             self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
-            self.note_validation(v["loss"])
+            self.state.note_validation(v["loss"])
+            if self.state.converged(run.train.patience):
+                self.log.info(f"[valid] no improvement for {run.train.patience} validations: stopping (train.patience)")
         every = run.train.bleu_interval_updates
         if every and u % every == 0:
             b = self.evaluator.bleu(run.data.valid_split)
@@ -491,20 +508,6 @@ class Training:
                 self.log.info(f"[valid] update {u}: BLEU {b['bleu']:.2f} ({b['signature']})")
         if u % run.train.save_interval_updates == 0:
             self.save()
-
-    def note_validation(self, loss: float) -> None:
-        s = self.state
-        if s.best_valid_loss is None or loss < s.best_valid_loss:
-            s.best_valid_loss, s.valids_since_best = loss, 0
-        else:
-            s.valids_since_best += 1
-        if self.converged():
-            self.log.info(f"[valid] no improvement on {s.best_valid_loss:.3f} for {s.valids_since_best} "
-                          f"validations (train.patience): stopping at update {self.state.update}")
-
-    def converged(self) -> bool:
-        patience = self.run.train.patience
-        return patience is not None and self.state.valids_since_best >= patience
 
     def _stopped(self, signals) -> dict:
         u = self.state.update
@@ -517,7 +520,7 @@ class Training:
         summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
                    "train_s": round(train_s, 1), "last_train_loss": last.get("loss")}
         if self.run.train.patience is not None:
-            summary.update(converged=self.converged(), best_valid_loss=self.state.best_valid_loss)
+            summary.update(converged=self.state.converged(self.run.train.patience), best_valid_loss=self.state.best_valid_loss)
         bleu = None
         self.watchdog.mark("final evaluation")
         if self.run.train.final_eval:
@@ -538,15 +541,11 @@ class Training:
     def close(self) -> None:
         import gc
 
-        if self.watchdog is not None:
-            self.watchdog.stop()
-        if self.runner is not None:
-            self.runner.close()
-            self.runner = None
-        if self.log is not None:
-            self.log.close()
-        if self.lock is not None:
-            self.lock.release()
+        for release in (self.watchdog and self.watchdog.stop, self.runner and self.runner.close,
+                        self.log and self.log.close, self.lock and self.lock.release):
+            if release:
+                release()
+        self.runner = None
         gc.collect()
 
 
