@@ -44,7 +44,11 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; th
   echo "[setup] error: $PY is missing or older than Python 3.10" >&2
   exit 1
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# An interrupted creation leaves bin/python without bin/activate (venv writes the scripts last),
+# and pip would then install into whatever python comes first on PATH: made again.
+if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/bin/activate" ]; then
+  "$PY" -m venv --clear "$VENV"
+fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
