@@ -69,7 +69,9 @@ def install_skip(engine) -> bool:
             # Each gradient's sum is non-finite where the gradient has an inf or a NaN (inf - inf
             # is NaN), as DeepSpeed's own overflow check reads it: one pass over the gradients,
             # where isfinite(g).all() took four (abs, ne, eq, all; 12% of a CPU update at 18L-18L).
-            bad = torch.isfinite(torch.stack([g.sum() for g in grads])).logical_not().any().float().reshape(1)
+            # Summed in fp32: an fp16 gradient's finite values can add up past fp16's range.
+            sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
+            bad = torch.isfinite(sums).logical_not().any().float().reshape(1)
         else:  # on the parameters' device: NCCL reduces GPU tensors only
             bad = torch.zeros(1, device=opt.param_groups[0]["params"][0].device)
         # Every rank steps exactly once per update (data-parallel and pipeline), so this
