@@ -243,11 +243,11 @@ run() {
         bench+=(--warmup 1 --updates 2 --max-tokens 1024 --peak-size 512 --breakdown --breakdown-updates 1
                 --data.default_pairs=1500 --data.default_vocab_size=400)
         if [ "$part" = bench ] || [ "$part" = all ]; then
-            "${bench[@]}" --presets debug-tiny --ds ds_configs/zero2.json >> "$out/throughput.log" 2>&1 || status=1
+            "${bench[@]}" --presets debug-tiny --ds ds_configs/zero2.json --engine.skip_padding=false \
+                --engine.dropout=torch >> "$out/throughput.log" 2>&1 || status=1   # the plain path
         fi
         if [ "$part" = features ] || [ "$part" = all ]; then
-            "${bench[@]}" --presets debug-tiny --ds ds_configs/zero2.json --engine.skip_padding=true \
-                --engine.dropout=bulk >> "$out/throughput.log" 2>&1 || status=1
+            "${bench[@]}" --presets debug-tiny --ds ds_configs/zero2.json >> "$out/throughput.log" 2>&1 || status=1
         fi
     else
         if [ "$part" = bench ] || [ "$part" = all ]; then
@@ -255,20 +255,22 @@ run() {
                 echo "[kit] throughput, $ds"
                 "${bench[@]}" --ds "ds_configs/$ds.json" --max-tokens 16384 --updates 20 --breakdown \
                     --presets base-6L-6L big-6L-6L admin-18L-18L admin-60L-12L admin-60L-12L-1024D \
-                    --engine.skip_padding=true --data.pad_to_multiple=8 >> "$out/throughput.log" 2>&1 || status=1
+                    --data.pad_to_multiple=8 >> "$out/throughput.log" 2>&1 || status=1
             done
         fi
         if [ "$part" = features ] || [ "$part" = all ]; then
-            # each feature against the same run without it (base-6L-6L, bf16, ZeRO-2)
+            # each feature against the defaults (base-6L-6L, bf16, ZeRO-2); the first run is the
+            # plain path the defaults replaced (padded, torch's masks)
             local variant
-            for variant in "" --engine.skip_padding=true --data.pad_to_multiple=8 --engine.mask_padded_target_keys=true \
+            for variant in "--engine.skip_padding=false --engine.dropout=torch" "" --data.pad_to_multiple=8 \
+                           --engine.mask_padded_target_keys=true \
                            --engine.activation_checkpointing=true --engine.compile=true --engine.dropout=bulk \
                            "--engine.compile=true --engine.dropout=bulk" \
                            "--optim.optimizer=adamw --optim.implementation=foreach" \
                            "--optim.optimizer=adamw --optim.implementation=fused" \
                            "--optim.optimizer=adamw --optim.implementation=deepspeed" \
                            "--optim.optimizer=adamw --optim.implementation=loop"; do
-                echo "[kit] feature run: ${variant:-baseline}"
+                echo "[kit] feature run: ${variant:-the defaults}"
                 # shellcheck disable=SC2086  # a variant is several words
                 "${bench[@]}" --ds ds_configs/zero2_bf16.json --max-tokens 16384 --updates 20 \
                     --presets base-6L-6L $variant >> "$out/throughput.log" 2>&1 || status=1

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -311,4 +312,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from admin_ds.errors import UserError
+
+    try:
+        main()
+    except UserError as e:  # a bad preset, override or config: one line, as launch/train.py says it
+        sys.exit(f"error: {e}")

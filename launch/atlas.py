@@ -4,7 +4,7 @@
     python launch/atlas.py --raw-dir ../shared/data/multi30k --out runs/atlas          # Multi30k en-de
     python launch/atlas.py --data data/m30k --out runs/atlas --inits post pre admin deepnorm \\
         --depths 6 18 60-12 100-12 --lrs 1e-3 3e-3 --seeds 1 2 --updates 400   # 60+ layers: 2 pipeline stages
-    python launch/atlas.py --scale gpu --data data/wmt14_en_de --out runs/atlas_gpu    # 512/2048/8, 18L, 60L-12L
+    python launch/atlas.py --scale gpu --data data/wmt14_en_de --out runs/atlas_gpu    # 512/2048/8, 6L to 100L-12L
     python launch/atlas.py ... --model.dropout_p=0.3      # any --section.key=value goes to every cell
 
 Every cell is an ordinary run of launch/train.py in OUT/cells/<init>_<depth>_lr<lr>_wu<warmup>[_s<seed>]/

@@ -139,7 +139,8 @@ def test_grid_cells_and_depths():
     assert [c.stages for c in cells] == [1] * 4 + [2] * 4  # 72 layers >= the CPU grid's pipeline_from (60)
     assert parse_depth("60-12") == (60, 12) and parse_depth("18") == (18, 18)
     gpu = AtlasGrid.for_scale("gpu")
-    assert (gpu.model_dim, gpu.ffn_inner_dim, gpu.num_heads, gpu.depths) == (512, 2048, 8, ["18", "60-12"])
+    assert (gpu.model_dim, gpu.ffn_inner_dim, gpu.num_heads, gpu.depths) == (512, 2048, 8, ["6", "18", "60-12", "100-12"])
+    assert len(gpu.cells()) == 5 * 4 * 2 * 2  # inits x depths x rates x seeds, as the CPU's deep atlas
     args = gpu.overrides(Cell("admin", 60, 12, 1e-3, 4000), data_dir="D", run_dir="R")
     assert "--model.num_encoder_layers=60" in args and "--model.num_decoder_layers=12" in args
     assert "--model.model_dim=512" in args and not any(a.startswith("--train.bleu_max_sentences") for a in args)

@@ -33,7 +33,7 @@ def test_kit_run_on_cpu(tmp_path):
         assert skipped is not None and "no CUDA device" in skipped.get("message", ""), case.get("name")
 
     rows = [json.loads(line) for line in (out / "throughput.jsonl").read_text().splitlines()]
-    assert [r["overrides"][2:] for r in rows] == [[], ["--engine.skip_padding=true", "--engine.dropout=bulk"]]  # after the corpus size
+    assert [r["overrides"][2:] for r in rows] == [["--engine.skip_padding=false", "--engine.dropout=torch"], []]  # after the corpus size
     for r in rows:
         assert r["preset"] == "debug-tiny" and r["device"] == "cpu" and r["tokens_per_s"] > 0
         assert r["peak_tflops"] > 0 and r["mfu_measured"] == pytest.approx(r["tflops"] / r["peak_tflops"], rel=0.02)

@@ -3,6 +3,7 @@ gradients, distributed profiling, omega in the fp32 masters, resume, refusals, t
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,6 +148,54 @@ def test_kill_and_resume_continues_identically(tmp_path, data_dir, dropout):
         assert resumed[u] == pytest.approx(ref[u], rel=1e-6), (u, resumed[u], ref[u])
 
 
+def test_a_resumed_run_keeps_the_random_numbers_its_checkpoint_was_trained_with(tmp_path, data_dir):
+    """engine.dropout and engine.skip_padding left to the system: a new run takes bulk masks on
+    real tokens only (on a CPU), but a run trained with torch's masks on the padded path and
+    resumed by a command that leaves both open continues as its uninterrupted run, both from a
+    checkpoint that records the choices and from one written before they were recorded. The
+    control resumes with the new run's choices and differs, so the choice is what keeps it."""
+    old = ["--engine.dropout=torch", "--engine.skip_padding=false"]
+    _train_cli(tmp_path / "a", data_dir, 5, extra=old)
+    ref = _train_losses(tmp_path / "a")
+    _train_cli(tmp_path / "b", data_dir, 3, extra=old)  # checkpoint at update 3, then resumed to 5
+    complete = tmp_path / "b/checkpoints/update_000003/COMPLETE"
+    assert json.loads(complete.read_text())["engine"] == {"skip_padding": False, "dropout": "torch"}
+    for name, edit in (("legacy", lambda info: info.pop("engine")), ("control", None)):
+        shutil.copytree(tmp_path / "b", tmp_path / name)
+        if edit:
+            info = json.loads((tmp_path / name / complete.relative_to(tmp_path / "b")).read_text())
+            edit(info)
+            (tmp_path / name / complete.relative_to(tmp_path / "b")).write_text(json.dumps(info))
+    out = _train_cli(tmp_path / "b", data_dir, 5).out
+    assert '[resume] engine.dropout="torch", as the checkpoint was trained' in out, out[-2000:]
+    _train_cli(tmp_path / "legacy", data_dir, 5)
+    _train_cli(tmp_path / "control", data_dir, 5, extra=["--engine.dropout=bulk", "--engine.skip_padding=true"])
+    for name in ("b", "legacy"):
+        resumed = _train_losses(tmp_path / name)
+        for u in (4, 5):
+            assert resumed[u] == pytest.approx(ref[u], rel=1e-6), (name, u, resumed[u], ref[u])
+    control = _train_losses(tmp_path / "control")
+    assert control[3] == pytest.approx(ref[3], rel=1e-6) and control[4] != pytest.approx(ref[4], rel=1e-4)
+
+
+def test_the_engine_choices_left_to_the_system():
+    """A new run: bulk masks on a CPU, torch's on a GPU, real tokens only where the data-parallel
+    path can skip padding; a given value is never replaced, a checkpoint's record wins over the
+    device's choice."""
+    from admin_ds.train.run_config import EngineSection
+
+    def choose(device, saved=None, **given):
+        e = EngineSection(**given)
+        notes = e.resolve_auto(device, saved)
+        return e.dropout, e.skip_padding, len(notes)
+
+    assert choose("cpu") == ("bulk", True, 0) and choose("cuda") == ("torch", True, 0)
+    assert choose("cpu", pipeline_stages=2) == ("bulk", False, 0)
+    assert choose("cpu", dropout="torch", skip_padding=False) == ("torch", False, 0)
+    assert choose("cpu", {"dropout": "torch", "skip_padding": False}) == ("torch", False, 2)
+    assert choose("cuda", {"dropout": "bulk", "skip_padding": True}, dropout="torch") == ("torch", True, 0)
+
+
 def test_reverse_trains_the_other_direction_and_keeps_it_on_resume(tmp_path, data_dir):
     """data.reverse=true: the same directory read target -> source. The model's first batch is the
     forward batch with its sides swapped, the end-of-run decode writes source-language text, and a
@@ -234,7 +283,7 @@ def _refused(*args, ds=None, tmp=None):
     ({}, ["--data.path=/nonexistent/dir"], "data.path: /nonexistent/dir: no manifest.json"),
     ({"zero_optimization": {"stage": 3}}, ["--engine.compile=true"], "zero_optimization.stage=3 with engine.compile"),
     ({}, ["--optim.implementation=fused"], "optim.implementation: 'fused' has Adam and AdamW only"),
-    ({}, ["--engine.dropout=philox"], "engine.dropout: must be one of torch, bulk"),
+    ({}, ["--engine.dropout=philox"], "engine.dropout: must be one of auto, torch, bulk"),
     ("{ not json", [], "invalid JSON"),
 ])
 def test_refused_configurations(tmp_path, ds, extra, message):

@@ -60,15 +60,17 @@ STALL_MARGIN_BITS = 0.5
 OUTCOMES = ("trained", "stalled", "diverged", "failed", "unfinished")
 CELLS_DIR = "cells"
 
-# The defaults of a grid: the narrow one two CPU cores can afford, and the papers' width for GPU
-# machines (Transformer-base 512/2048/8; Admin paper 18L-18L, very deep paper 60L-12L). Engine
-# JSONs are named relative to the repository root.
+# The defaults of a grid: the narrow one two CPU cores can afford, and the deep atlas's grid at the
+# papers' width for GPU machines (Transformer-base 512/2048/8; the very deep paper's 60L-12L and
+# 100L-12L, En-De's lr 1e-3 with warmup 4000, and the CPU atlas's 3e-3; two seeds). Engine JSONs
+# are named relative to the repository root.
 SCALES: dict[str, dict] = {
     "cpu": dict(inits=["post", "pre", "admin"], depths=["6", "18"], lrs=[1e-3, 3e-3, 1e-2], warmups=[100],
                 preset="debug-tiny", model_dim=64, ffn_inner_dim=256, num_heads=4, max_updates=300,
                 max_tokens=2048, valid_interval=100, bleu_sentences=200, bleu_beam=1,
                 deepspeed_config="ds_configs/zero1.json", pipeline_from=60),
-    "gpu": dict(inits=["post", "pre", "admin"], depths=["18", "60-12"], lrs=[5e-4, 1e-3], warmups=[4000],
+    "gpu": dict(inits=["post", "pre", "admin", "admin-constant", "deepnorm"], depths=["6", "18", "60-12", "100-12"],
+                lrs=[1e-3, 3e-3], warmups=[4000], seeds=[1, 2],
                 preset="base-6L-6L", model_dim=512, ffn_inner_dim=2048, num_heads=8, max_updates=20000,
                 max_tokens=4096, valid_interval=1000, bleu_sentences=0, bleu_beam=4,
                 deepspeed_config="ds_configs/zero1_bf16.json", pipeline_from=0),

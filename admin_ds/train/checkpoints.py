@@ -103,6 +103,10 @@ def describe(layout: dict) -> str:
             f"{layout.get('gradient_accumulation_steps', '?')}")
 
 
+RANDOM_PATH_KEYS = ("skip_padding", "dropout")  # the engine.* fields a resumed run keeps
+PRE_AUTO_ENGINE = {"skip_padding": False, "dropout": "torch"}
+
+
 @dataclass
 class ResumePlan:
     tag: str
@@ -110,6 +114,10 @@ class ResumePlan:
     current: dict
     universal: bool = False  # load through DeepSpeed's universal checkpoint
     notes: list = field(default_factory=list)
+    # The choices that decide which random numbers a step draws, as the checkpoint was trained
+    # (RunConfig.engine.resolve_auto keeps them); a checkpoint without the record predates the
+    # choices' "auto" and was trained with the then defaults.
+    engine: dict = field(default_factory=lambda: dict(PRE_AUTO_ENGINE))
 
     @property
     def layout_changed(self) -> bool:
@@ -147,9 +155,10 @@ def check_compatible(where: str, info: dict, model_cfg, manifest: dict) -> None:
 def plan_resume(where: Path, tag: str, info: dict, current: dict) -> ResumePlan:
     """How to load ``tag`` (whose COMPLETE marker is ``info``) into the ``current`` layout."""
     saved = info.get("layout")
+    engine = {**PRE_AUTO_ENGINE, **info.get("engine", {})}
     if saved is None:  # written before layouts were recorded: assume the same layout
-        return ResumePlan(tag, dict(current), dict(current))
-    plan = ResumePlan(tag, saved, dict(current))
+        return ResumePlan(tag, dict(current), dict(current), engine=engine)
+    plan = ResumePlan(tag, saved, dict(current), engine=engine)
     if all(saved.get(k) == current[k] for k in LAYOUT_KEYS):
         return plan
     zero_only_dp = (saved["zero"] == 0 == current["zero"] and saved["pipeline"] == current["pipeline"]
@@ -334,6 +343,7 @@ class CheckpointManager:
             ours = client_state.get("admin_ds", {})
             info = {"update": update, "time": time.time(), "world_size": distributed.world_size(),
                     **{k: ours[k] for k in ("layout", "model_config", "subword_sha256", "direction") if k in ours},
+                    "engine": {k: ours["run_config"]["engine"][k] for k in RANDOM_PATH_KEYS} if "run_config" in ours else {},
                     "files": written}
             try:
                 files.write_text(tag_dir / COMPLETE, json.dumps(info) + "\n")

@@ -291,6 +291,8 @@ class Training:
         # Before the engine: a layout change needs an engine built for universal loading.
         self.resume_plan = self.checkpoints.plan_resume(self.layout, self.cfg, self.manifest) if run.train.resume else None
         configure_loading(self.ds, self.resume_plan)
+        for note in run.engine.resolve_auto(eng.device().type, self.resume_plan.engine if self.resume_plan else None):
+            self.log.info(f"[resume] {note}")
         if self.rank == 0:
             write_configs(self.run_dir, run, self.ds)
 

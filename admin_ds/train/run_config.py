@@ -130,17 +130,38 @@ class EngineSection:
     # Speed and memory; none of these changes what is computed (tests/test_fast_paths.py).
     # Position-wise work on real tokens only (data-parallel path). With dropout it draws other
     # random numbers than the padded computation (none for padding): the same training in
-    # distribution, not number for number, so a run keeps the setting it started with.
-    skip_padding: bool = False
+    # distribution, not number for number. None: on (see resolve_auto).
+    skip_padding: Optional[bool] = None
     activation_checkpointing: bool = False  # recompute each layer's activations in the backward
     compile: bool = False  # torch.compile each encoder and decoder layer (data-parallel path)
-    # Where dropout masks come from (admin_ds/model/dropout.py): "torch" (F.dropout) or "bulk"
-    # (random bytes drawn in bulk; the same distribution, other numbers, far cheaper on a CPU).
-    dropout: str = "torch"
+    # Where dropout masks come from (admin_ds/model/dropout.py): "torch" (F.dropout), "bulk"
+    # (random bytes drawn in bulk; the same distribution, other numbers, far cheaper on a CPU),
+    # or "auto": bulk on a CPU, torch on a GPU (already Philox in one fused kernel there).
+    dropout: str = "auto"
     # Training's decoder self-attention also masks padded target keys, as fairseq does. Off, it is
     # causal only (flash attention on a GPU); the loss and gradients are the same. Profiling
     # always masks them.
     mask_padded_target_keys: bool = False
+
+    def resolve_auto(self, device_type: str, saved: Optional[dict] = None) -> list[str]:
+        """Fill in the choices left to the system (``skip_padding`` None, ``dropout`` "auto"), in
+        place: a resumed run keeps what its checkpoint was trained with (``saved``: the
+        checkpoint's ``engine`` record), so its dropout masks do not change under it; a new run
+        takes the fastest exact path on ``device_type``. Returns a note for each choice a
+        resumed run kept from its checkpoint."""
+        notes = []
+        fastest = {"skip_padding": self.pipeline_stages == 1, "dropout": "bulk" if device_type == "cpu" else "torch"}
+        for key, auto in (("skip_padding", None), ("dropout", "auto")):
+            if getattr(self, key) != auto:
+                continue
+            if saved is not None and key in saved:
+                setattr(self, key, saved[key])
+                if saved[key] != fastest[key]:
+                    notes.append(f"engine.{key}={json.dumps(saved[key])}, as the checkpoint was trained "
+                                 "(the same random numbers as before the interruption)")
+            else:
+                setattr(self, key, fastest[key])
+        return notes
 
 
 @dataclass
@@ -205,7 +226,8 @@ class RunConfig:
         need(self.engine.pipeline_stages >= 1, "engine.pipeline_stages", "must be >= 1")
         need(not (self.engine.compile and self.engine.pipeline_stages > 1), "engine.compile",
              "compiles the data-parallel path's layers; pipeline stages run eagerly")
-        need(self.engine.dropout in DROPOUT_IMPLS, "engine.dropout", f"must be one of {', '.join(DROPOUT_IMPLS)}")
+        need(self.engine.dropout in ("auto", *DROPOUT_IMPLS), "engine.dropout",
+             f"must be one of auto, {', '.join(DROPOUT_IMPLS)}")
         need(self.data.pad_to_multiple >= 1, "data.pad_to_multiple", "must be >= 1")
         g = self.guard
         need(g.max_consecutive_nonfinite >= 0, "guard.max_consecutive_nonfinite", "must be >= 0 (0: never roll back)")
