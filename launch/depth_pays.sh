@@ -27,6 +27,10 @@ case $INIT in
     pre)   MODEL=(--model.init=default --model.norm_order=pre) ;;
     *) echo "depth_pays.sh: INIT must be admin, post or pre, got '$INIT'" >&2; exit 2 ;;
 esac
+for depth in "${DEPTHS[@]}"; do  # every depth checked before any work
+    [[ $depth =~ ^[1-9][0-9]*-[1-9][0-9]*$ ]] || {
+        echo "depth_pays.sh: a depth is E-D with positive integers (e.g. 60-12), got '$depth'" >&2; exit 2; }
+done
 DATA=$OUT/data
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
@@ -36,8 +40,6 @@ python -m data_prep.prepare en-de "$DATA" --raw-dir "$RAW" --valid-prefix val \
 hyps=()
 for depth in "${DEPTHS[@]}"; do
     enc=${depth%-*} dec=${depth#*-}
-    [[ $enc =~ ^[1-9][0-9]*$ && $dec =~ ^[1-9][0-9]*$ ]] || {
-        echo "depth_pays.sh: a depth is E-D with positive integers (e.g. 60-12), got '$depth'" >&2; exit 2; }
     run=$OUT/${INIT}_${enc}L-${dec}L
     args=(--config launch/configs/multi30k_en_de.yaml "${MODEL[@]}" --data.path="$DATA"
           --model.num_encoder_layers="$enc" --model.num_decoder_layers="$dec" --train.run_dir="$run"

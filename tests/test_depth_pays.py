@@ -1,0 +1,47 @@
+"""launch/depth_pays.sh, the "does depth pay?" comparison, end to end on Multi30k with tiny
+budgets: two depths trained, averaged, decoded and compared by the paired bootstrap; the same
+command again redoes nothing that is finished; a bad depth is refused before any work."""
+
+import os
+import subprocess
+
+from distributed import REPO
+from shared_data import DATA, needs_data
+
+TINY = {"MAX_UPDATES": "4", "VALID_EVERY": "2", "AVERAGE": "2", "PATIENCE": "1"}
+
+
+def depth_pays(out, *depths):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **TINY)
+    return subprocess.run(["bash", "launch/depth_pays.sh", str(DATA / "multi30k"), str(out), *depths], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+@needs_data
+def test_two_depths_compared_and_a_rerun_redoes_nothing(tmp_path):
+    out = tmp_path / "depth"
+    first = depth_pays(out, "1-1", "2-2")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    hyps = [out / f"admin_{d}/test.avg2.hyp.de" for d in ("1L-1L", "2L-2L")]
+    test_lines = (out / "data/test.en").read_text(encoding="utf-8").count("\n")
+    for hyp in hyps:
+        assert hyp.read_text(encoding="utf-8").count("\n") == test_lines == 1000
+        tags = sorted(p.name for p in (hyp.parent / "checkpoints").glob("update_*"))
+        assert tags == ["update_000002", "update_000004"]  # keep_last = AVERAGE, every VALID_EVERY updates
+    table = first.stdout[first.stdout.index("paired bootstrap"):]
+    assert str(hyps[0]) in table and str(hyps[1]) in table  # the deeper run against the shallowest
+
+    again = depth_pays(out, "1-1", "2-2")
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert "[translate]" not in again.stdout + again.stderr  # the decodes are newer than the checkpoints
+    assert "paired bootstrap" in again.stdout
+
+
+def test_a_bad_depth_is_refused_before_any_work(tmp_path):
+    proc = subprocess.run(["bash", "launch/depth_pays.sh", str(tmp_path / "raw"), str(tmp_path / "out"), "6x6"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("depth_pays.sh: a depth is E-D with positive integers "
+                                                    "(e.g. 60-12), got '6x6'")
+    assert not (tmp_path / "out").exists()
