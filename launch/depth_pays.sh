@@ -62,6 +62,15 @@ for depth in "${DEPTHS[@]}"; do
     hyps+=("$hyp")
 done
 
+echo "[depth] what each model cost (its summary.json; CPU hours: every rank's process, over all resumes)"
+for hyp in "${hyps[@]}"; do
+    python - "$(dirname "$hyp")/summary.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+print(f"{sys.argv[1]}: {s.get('parameters', 0) / 1e6:.1f}M parameters, {s['updates']} updates, converged "
+      f"{s.get('converged')}, best validation loss {s.get('best_valid_loss')}, {s.get('cpu_hours', 'unrecorded')} CPU hours")
+PY
+done
 echo "[depth] test2016, beam 4, the average of each run's last $AVERAGE checkpoints"
 if (( ${#hyps[@]} > 1 )); then
     python launch/evaluate.py --hyp "${hyps[0]}" --ref "$DATA/test.de" --lang en-de --compare "${hyps[@]:1}"

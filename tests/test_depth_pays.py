@@ -1,7 +1,9 @@
 """launch/depth_pays.sh, the "does depth pay?" comparison, end to end on Multi30k with tiny
-budgets: two depths trained, averaged, decoded and compared by the paired bootstrap; the same
+budgets: two depths trained, averaged, decoded and compared by the paired bootstrap, with each
+model's cost (parameters, updates, CPU hours); the same
 command again redoes nothing that is finished; a bad depth is refused before any work."""
 
+import json
 import os
 import subprocess
 
@@ -28,6 +30,9 @@ def test_two_depths_compared_and_a_rerun_redoes_nothing(tmp_path):
         assert hyp.read_text(encoding="utf-8").count("\n") == test_lines == 1000
         tags = sorted(p.name for p in (hyp.parent / "checkpoints").glob("update_*"))
         assert tags == ["update_000002", "update_000004"]  # keep_last = AVERAGE, every VALID_EVERY updates
+        summary = json.loads((hyp.parent / "summary.json").read_text())
+        assert summary["updates"] == 4 and summary["cpu_hours"] > 0
+        assert f"{hyp.parent / 'summary.json'}: {summary['parameters'] / 1e6:.1f}M parameters, 4 updates" in first.stdout
     table = first.stdout[first.stdout.index("paired bootstrap"):]
     assert str(hyps[0]) in table and str(hyps[1]) in table  # the deeper run against the shallowest
 

@@ -57,6 +57,14 @@ class TrainState:
     sentences_seen: int = 0
     best_valid_loss: Optional[float] = None  # train.patience: the best validation loss so far
     valids_since_best: int = 0               # and the validations since it
+    cpu_s: float = 0.0  # the run's cost: CPU time of every rank's process, summed over resumes
+
+    def charge_cpu(self, since: float) -> float:
+        """Add every rank's process CPU time after ``since`` (``time.process_time()``; 0: the
+        process's start) to ``cpu_s``; returns the new mark. Collective."""
+        now = time.process_time()
+        self.cpu_s += float(distributed.all_reduce_sum(torch.tensor([now - since], dtype=torch.float64))[0])
+        return now
 
     def note_validation(self, loss: float) -> None:
         if self.best_valid_loss is None or loss < self.best_valid_loss:
@@ -310,6 +318,7 @@ class Training:
             self.log.info(f"[data] dropped {self.iterator.dropped} training pairs longer than "
                           f"{min(run.data.max_positions, cfg.max_positions)} tokens")
         self.state = TrainState()
+        self.cpu_mark = 0.0  # the process's CPU time charged to the run so far (TrainState.charge_cpu)
         self.saved_update: Optional[int] = None
         self.profile: Optional[Profile] = None
         # Dropout masks repeat from run to run, also when no profiling pass seeds them (a reused
@@ -368,6 +377,7 @@ class Training:
     def save(self) -> None:
         t0 = time.perf_counter()
         self.watchdog.mark(f"checkpoint {self.state.update}")
+        self.cpu_mark = self.state.charge_cpu(self.cpu_mark)
         tag = self.checkpoints.save(self.runner.engine, self.state.update, self.client_state())
         self.saved_update = self.state.update
         self.log.info(f"[checkpoint] saved {self.checkpoints.dir / tag} in {time.perf_counter() - t0:.1f}s")
@@ -381,7 +391,10 @@ class Training:
             diff = [k for k in saved.to_dict() if saved.to_dict()[k] != self.cfg.to_dict()[k]]
             raise ConfigError(f"{self.checkpoints.dir / plan.tag}: the checkpoint's model differs from the run "
                               f"config in model.{', model.'.join(diff)}; use a new train.run_dir or the same model")
+        spent = self.state.cpu_s  # a rollback still paid for the updates it discards
         self.state = TrainState(**client["train_state"])
+        if rollback:
+            self.state.cpu_s = spent
         self.saved_update = self.state.update
         if not rollback:
             self.iterator.load_state_dict(client["data_state"])
@@ -519,8 +532,11 @@ class Training:
         return {"updates": u, "stopped_by": signals, "requeue": True}
 
     def _finish(self, train_s: float, last: dict) -> dict:
+        self.cpu_mark = self.state.charge_cpu(self.cpu_mark)
         summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
-                   "train_s": round(train_s, 1), "last_train_loss": last.get("loss")}
+                   "train_s": round(train_s, 1), "cpu_hours": round(self.state.cpu_s / 3600, 6),
+                   "parameters": _whole_model_parameters(self.cfg),
+                   "last_train_loss": last.get("loss")}
         if self.run.train.patience is not None:
             summary.update(converged=self.state.converged(self.run.train.patience), best_valid_loss=self.state.best_valid_loss)
         bleu = None
