@@ -192,6 +192,8 @@ def plot_loss_curves(result: dict, path: Path) -> Path:
     for r, (lr, warmup) in enumerate(settings):
         for k, depth in enumerate(depths):
             ax = axes[r][k]
+            if not any(c.get("curve") for init in result["grid"]["inits"] for c in _cells(result, init, depth, lr, warmup)):
+                ax.text(0.5, 0.5, "not run yet", ha="center", va="center", transform=ax.transAxes, color="grey")
             for init in result["grid"]["inits"]:
                 runs = [c for c in _cells(result, init, depth, lr, warmup) if c.get("curve")]
                 for k_seed, c in enumerate(runs):  # one line per seed, the init's colour
@@ -200,7 +202,8 @@ def plot_loss_curves(result: dict, path: Path) -> Path:
                     ax.plot(u, nll, color=COLORS.get(init), alpha=1.0 if k_seed == 0 else 0.6, label=label)
             ax.axhline(result["unigram_bits"], color="grey", ls=":", lw=1)
             ax.set_title(f"{depth}, lr {lr:g}, warmup {warmup}", fontsize=9)
-            _style(ax, "update", "training nll (bits)" if k == 0 else None)
+            _style(ax, "update", "training nll (bits)" if k == 0 else None,
+                   legend=bool(ax.get_legend_handles_labels()[0]))
     fig.suptitle("training nll (window means); dotted: the unigram model's validation cross-entropy",
                  fontsize=10)
     return _save(fig, path)
