@@ -103,7 +103,8 @@ def describe(layout: dict) -> str:
             f"{layout.get('gradient_accumulation_steps', '?')}")
 
 
-RANDOM_PATH_KEYS = ("skip_padding", "dropout")  # the engine.* fields a resumed run keeps
+# The engine.* choices a resumed run keeps (EngineSection.resolve_auto), as trained before they
+# were recorded.
 PRE_AUTO_ENGINE = {"skip_padding": False, "dropout": "torch"}
 
 
@@ -342,8 +343,8 @@ class CheckpointManager:
         if distributed.rank() == 0:
             ours = client_state.get("admin_ds", {})
             info = {"update": update, "time": time.time(), "world_size": distributed.world_size(),
-                    **{k: ours[k] for k in ("layout", "model_config", "subword_sha256", "direction") if k in ours},
-                    "engine": {k: ours["run_config"]["engine"][k] for k in RANDOM_PATH_KEYS} if "run_config" in ours else {},
+                    **{k: ours[k] for k in ("layout", "model_config", "subword_sha256", "direction", "engine")
+                       if k in ours},
                     "files": written}
             try:
                 files.write_text(tag_dir / COMPLETE, json.dumps(info) + "\n")

@@ -39,7 +39,8 @@ from admin_ds.model.config import ModelConfig
 from admin_ds.model.profiling import Profile, omega_table
 from admin_ds.model.transformer import count_parameters
 from admin_ds.train import engine as eng
-from admin_ds.train.checkpoints import CheckpointManager, ResumePlan, configure_loading, describe, tag_for
+from admin_ds.train.checkpoints import (PRE_AUTO_ENGINE, CheckpointManager, ResumePlan, configure_loading, describe,
+                                        tag_for)
 from admin_ds.train.evaluator import BleuTools, Evaluator
 from admin_ds.train.guard import DivergenceGuard, apply_lr_scale
 from admin_ds.train.hooks import Hooks
@@ -371,7 +372,7 @@ class Training:
             "profile": None if self.profile is None else self.profile.to_dict(),
             "train_state": vars(self.state).copy(), "data_state": self.iterator.state_dict(),
             "subword_sha256": self.manifest.get("subword_sha256"), "direction": direction(self.manifest),
-            "layout": self.layout,
+            "layout": self.layout, "engine": {k: getattr(self.run.engine, k) for k in PRE_AUTO_ENGINE},
             "guard": self.guard.state_dict()}}
 
     def save(self) -> None:

@@ -110,7 +110,6 @@ class Runner:
 
     # ---- shared -------------------------------------------------------------------------------
     def _set_runtime_choices(self, model) -> None:
-        self.run.engine.resolve_auto(eng.device().type)  # a no-op after Training.setup
         for layer in model.decoder_layers:
             layer.mask_padded_keys = self.run.engine.mask_padded_target_keys
         set_dropout_impl(model, self.run.engine.dropout)
