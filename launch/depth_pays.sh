@@ -2,7 +2,8 @@
 # Does depth pay? Admin Transformers of one width (the Multi30k recipe's 256/1024/4) at several
 # depths on Multi30k en-de, each trained until its validation loss stops improving
 # (train.patience), its last checkpoints averaged, test2016 decoded with beam 4, and every model
-# compared with the shallowest by sacreBLEU's paired bootstrap (docs/results.md).
+# compared with the shallowest by sacreBLEU's paired bootstrap (docs/results.md); the runs' curves
+# side by side in OUT/curves.png.
 #
 #   bash launch/depth_pays.sh RAW_DIR [OUT] [DEPTH ...]     # DEPTH: E-D layers, default 6-6 18-18 60-12
 #   INIT=pre bash launch/depth_pays.sh RAW_DIR runs/depth 18-18   # Pre-LN with the same recipe
@@ -71,6 +72,9 @@ print(f"{sys.argv[1]}: {s.get('parameters', 0) / 1e6:.1f}M parameters, {s['updat
       f"{s.get('converged')}, best validation loss {s.get('best_valid_loss')}, {s.get('cpu_hours', 'unrecorded')} CPU hours")
 PY
 done
+runs=(); for hyp in "${hyps[@]}"; do runs+=("$(dirname "$hyp")"); done
+echo "[depth] training and validation curves: $OUT/curves.png"
+python launch/plot_runs.py "${runs[@]}" --out "$OUT/curves.png"
 echo "[depth] test2016, beam 4, the average of each run's last $AVERAGE checkpoints"
 if (( ${#hyps[@]} > 1 )); then
     python launch/evaluate.py --hyp "${hyps[0]}" --ref "$DATA/test.de" --lang en-de --compare "${hyps[@]:1}"

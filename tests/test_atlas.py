@@ -225,3 +225,46 @@ def test_trained_share_counts_finished_runs_only():
     assert trained_share(result, "post", "60-12", settings) == 0.5
     assert math.isnan(trained_share(result, "pre", "60-12", settings))
     assert math.isnan(trained_share(result, "deepnorm", "60-12", settings))
+
+
+def plot_runs(*args):
+    return subprocess.run([sys.executable, "launch/plot_runs.py", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _metrics(run, lines, tail=""):
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + tail)
+    return run
+
+
+def test_plot_runs_reads_a_resumed_run_and_one_still_writing(tmp_path):
+    """launch/plot_runs.py: a run resumed from update 2 logs updates 3-4 again (its best validation
+    is the resumed one, not the first 3.0 it wrote for update 4); a run killed mid-write ends in a
+    partial line, which is left out."""
+    resumed = _metrics(tmp_path / "deep", [
+        {"kind": "train", "update": u, "nll": 9.0 - u} for u in range(1, 5)] + [
+        {"kind": "valid", "update": 2, "nll": 6.5}, {"kind": "valid", "update": 4, "nll": 3.0},
+        {"kind": "stop", "update": 4, "signals": "SIGTERM"}] + [
+        {"kind": "train", "update": u, "nll": 8.0 - u} for u in (3, 4)] + [
+        {"kind": "valid", "update": 4, "nll": 5.25}, {"kind": "summary", "updates": 4}])
+    writing = _metrics(tmp_path / "shallow", [{"kind": "train", "update": 1, "nll": 7.0}],
+                       tail='{"kind": "valid", "upda')
+    proc = plot_runs(resumed, writing, "--out", tmp_path / "curves.png")
+    assert proc.returncode == 0, proc.stderr
+    assert f"| {resumed} | 4 | 5.250 | 4 |" in proc.stdout.splitlines()
+    assert f"| {writing} | 1 | - | - |" in proc.stdout.splitlines()
+    assert (tmp_path / "curves.png").read_bytes().startswith(PNG)
+
+
+@pytest.mark.parametrize("lines,tail,message", [
+    ([{"kind": "train", "update": 1, "nll": 7.0}], 'not json\n{"kind": "train", "update": 2, "nll": 6.0}\n',
+     "metrics.jsonl, line 2: not a JSON record"),
+    ([[1, 2]], "", "metrics.jsonl, line 1: not a metrics record (a JSON object with a 'kind')"),
+    ([{"kind": "stop", "update": 3}], "", "no training or validation records in metrics.jsonl"),
+])
+def test_plot_runs_refuses_what_is_not_a_run(tmp_path, lines, tail, message):
+    run = _metrics(tmp_path / "run", lines, tail)
+    proc = plot_runs(run, "--out", tmp_path / "curves.png")
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "curves.png").exists()

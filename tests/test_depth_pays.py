@@ -1,6 +1,6 @@
 """launch/depth_pays.sh, the "does depth pay?" comparison, end to end on Multi30k with tiny
 budgets: two depths trained, averaged, decoded and compared by the paired bootstrap, with each
-model's cost (parameters, updates, CPU hours); the same
+model's cost (parameters, updates, CPU hours) and the runs' curves; the same
 command again redoes nothing that is finished; a bad depth is refused before any work."""
 
 import json
@@ -33,6 +33,8 @@ def test_two_depths_compared_and_a_rerun_redoes_nothing(tmp_path):
         summary = json.loads((hyp.parent / "summary.json").read_text())
         assert summary["updates"] == 4 and summary["cpu_hours"] > 0
         assert f"{hyp.parent / 'summary.json'}: {summary['parameters'] / 1e6:.1f}M parameters, 4 updates" in first.stdout
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert f"| {hyps[1].parent} | 4 |" in first.stdout  # plot_runs's table: the run and its updates
     table = first.stdout[first.stdout.index("paired bootstrap"):]
     assert str(hyps[0]) in table and str(hyps[1]) in table  # the deeper run against the shallowest
 

@@ -53,7 +53,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from admin_ds.errors import ConfigError
+from admin_ds.errors import ConfigError, UserError
 from admin_ds.model.analysis import INIT_VARIANTS
 
 STALL_MARGIN_BITS = 0.5
@@ -204,17 +204,35 @@ class AtlasGrid:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics records; none for a run that has not logged yet. A last line without its
+    newline is a record being written and is left out; any other line that is not a JSON object
+    is refused with its file and line number."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")  # the last item is "" when the file ends with a newline
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break
+            raise UserError(f"{path}, line {number}: not a JSON record ({e.msg})") from None
+        if not isinstance(record, dict) or "kind" not in record:
+            raise UserError(f"{path}, line {number}: not a metrics record (a JSON object with a 'kind')")
+        records.append(record)
+    return records
 
 
 def classify(records: list[dict], warmup: int, unigram_bits: float, finished: bool = True) -> dict:
     """A cell's outcome and the numbers behind it (module docstring), from its metrics records."""
-    train = sorted(_last_per_update(records, "train", ("loss", "nll")).items())
+    train = sorted(last_per_update(records, "train", ("loss", "nll")).items())
     train = [(u, loss, nll) for u, (loss, nll) in train]
-    valid = [(u, nll) for u, (nll,) in sorted(_last_per_update(records, "valid", ("nll",)).items())]
+    valid = [(u, nll) for u, (nll,) in sorted(last_per_update(records, "valid", ("nll",)).items())]
     skipped = sum(1 for r in records if r["kind"] == "skip")
     bleu = next((r for r in reversed(records) if r["kind"] == "test"), None)
     result = {"curve": [[u, loss, nll] for u, loss, nll in train], "valid_curve": [[u, nll] for u, nll in valid],
@@ -244,7 +262,7 @@ def classify(records: list[dict], warmup: int, unigram_bits: float, finished: bo
     return result
 
 
-def _last_per_update(records: list[dict], kind: str, keys: tuple[str, ...]) -> dict[int, tuple]:
+def last_per_update(records: list[dict], kind: str, keys: tuple[str, ...]) -> dict[int, tuple]:
     """One value per update, the last written: a resumed or rolled-back run repeats updates."""
     return {r["update"]: tuple(r[k] for k in keys) for r in records if r["kind"] == kind}
 

@@ -11,6 +11,8 @@
     omega_admin.png     Admin's profiled omega per sub-layer, encoder and decoder, one line per depth
     output_change.png   Theorem 2's output change at initialisation vs depth, next to the share of
                         the grid's learning rates at which each init trained
+
+``plot_runs`` draws any runs' training and validation curves side by side (launch/plot_runs.py).
 """
 
 from __future__ import annotations
@@ -275,6 +277,34 @@ def plot_output_change(result: dict, path: Path) -> Optional[Path]:
     axes[1].set_ylim(-0.05, 1.05)
     axes[1].set_title(f"training outcome over {len(settings)} lr/warmup setting(s) and the seeds", fontsize=9)
     _style(axes[1], "depth", "share of runs that trained", depths)
+    return _save(fig, path)
+
+
+def run_curves(run_dir: Path) -> dict:
+    """A run's training and validation nll (bits), one value per update (the last written), and
+    its best validation."""
+    from admin_ds.train.atlas import last_per_update, read_metrics
+
+    records = read_metrics(run_dir)
+    train = sorted((u, nll) for u, (nll,) in last_per_update(records, "train", ("nll",)).items())
+    valid = sorted((u, nll) for u, (nll,) in last_per_update(records, "valid", ("nll",)).items())
+    best = min(valid, key=lambda r: r[1]) if valid else None
+    return {"run": str(run_dir), "train": train, "valid": valid, "best": best,
+            "updates": max((u for u, _ in train), default=0)}
+
+
+def plot_runs(curves: list[dict], path: Path) -> Path:
+    """Training nll (window means) and validation nll against updates, one colour per run."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for c in curves:
+        label = Path(c["run"]).name
+        line, = axes[0].plot(*smoothed([u for u, _ in c["train"]], [n for _, n in c["train"]], points=30), label=label)
+        if c["valid"]:
+            axes[1].plot([u for u, _ in c["valid"]], [n for _, n in c["valid"]], marker=".", color=line.get_color(),
+                         label=f"{label}: best {c['best'][1]:.2f} at {c['best'][0]}")
+    _style(axes[0], "update", "training nll (bits, window means)")
+    _style(axes[1], "update", "validation nll (bits)")
     return _save(fig, path)
 
 
