@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Does depth pay? Admin Transformers of one width (the Multi30k recipe's 256/1024/4) at several
 # depths on Multi30k en-de, each trained until its validation loss stops improving
-# (train.patience), its last checkpoints averaged, test2016 decoded with beam 4, and every model
-# compared with the shallowest by sacreBLEU's paired bootstrap (docs/results.md); the runs' curves
+# (train.patience), its last checkpoints averaged, test2016 decoded with beam 4, and every pair of
+# models compared by sacreBLEU's paired bootstrap (docs/results.md); the runs' curves
 # side by side in OUT/curves.png.
 #
 #   bash launch/depth_pays.sh RAW_DIR [OUT] [DEPTH ...]     # DEPTH: E-D layers, default 6-6 18-18 60-12
@@ -76,8 +76,9 @@ runs=(); for hyp in "${hyps[@]}"; do runs+=("$(dirname "$hyp")"); done
 echo "[depth] training and validation curves: $OUT/curves.png"
 python launch/plot_runs.py "${runs[@]}" --out "$OUT/curves.png"
 echo "[depth] test2016, beam 4, the average of each run's last $AVERAGE checkpoints"
-if (( ${#hyps[@]} > 1 )); then
-    python launch/evaluate.py --hyp "${hyps[0]}" --ref "$DATA/test.de" --lang en-de --compare "${hyps[@]:1}"
-else
+if (( ${#hyps[@]} == 1 )); then
     python launch/evaluate.py --hyp "${hyps[0]}" --ref "$DATA/test.de" --lang en-de
 fi
+for (( i = 0; i + 1 < ${#hyps[@]}; i++ )); do  # every pair: each model against every deeper one
+    python launch/evaluate.py --hyp "${hyps[i]}" --ref "$DATA/test.de" --lang en-de --compare "${hyps[@]:i+1}"
+done
