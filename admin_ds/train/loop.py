@@ -285,6 +285,7 @@ class Training:
         check_world(run.engine, self.log)
         self.ds = eng.resolve_ds_config(raw_ds, run, self.world, source=self.ds_path)
         self.layout = eng.layout(self.ds, run.engine.pipeline_stages, self.world)
+        self.trim_heap = eng.heap_trimmer(self.layout["precision"])
         dp, gas = self.layout["data_parallel"], self.ds["gradient_accumulation_steps"]
         self.log.info(f"[world] {self.world} rank(s): data-parallel {dp} x pipeline {run.engine.pipeline_stages}; "
                       f"ZeRO-{self.layout['zero']}, {self.layout['precision']}, device {eng.device().type}")
@@ -441,6 +442,7 @@ class Training:
         self.hooks.update_start(self.state.update + 1)
         self.watchdog.mark(f"update {self.state.update + 1}")
         stats = self.runner.train_step([self.iterator.next_batch() for _ in range(self.ds["gradient_accumulation_steps"])])
+        self.trim_heap()
         s = self.state
         s.update, s.epoch = s.update + 1, self.iterator.epoch
         s.tokens_seen, s.sentences_seen = s.tokens_seen + stats["ntokens"], s.sentences_seen + stats["nsentences"]
