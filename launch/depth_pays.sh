@@ -14,7 +14,7 @@
 # stages on 2 ranks, the others in one process (both with DS_CONFIG).
 # Environment: INIT (admin, post or pre), MAX_UPDATES (8000), PATIENCE (validations, 5),
 # VALID_EVERY (updates, 160), AVERAGE (checkpoints averaged, 5), DS_CONFIG (the engine config,
-# ds_configs/zero1.json; ds_configs/zero1_bf16.json trains 1.8x faster on a CPU with AMX, e.g. Intel
+# ds_configs/zero1.json; ds_configs/zero1_bf16.json trains 1.6-2x faster on a CPU with AMX, e.g. Intel
 # Sapphire Rapids, or on a bf16 GPU: BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
