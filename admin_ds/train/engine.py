@@ -68,9 +68,9 @@ def heap_trimmer(precision: str) -> Callable[[], object]:
     allocate working memory by shape; glibc serves such blocks from its heap, which fragments and
     keeps what a run frees. A bf16 run of the Multi30k recipe on the 2-core Xeon grew from 2.2 to
     7.3 GB over 1,000 updates; trimming after each update kept the peak of 60 updates at 2.6 GB
-    (3.9 without) for 18% of its speed (bf16 still trains at 1.6-2x fp32 there; BENCHMARKS.md). fp32 runs do not grow so and are
-    left alone. ``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` also bound the heap, at a
-    third of the speed."""
+    (3.9 without) for 18% of its speed (bf16 still trains at 1.6-2x fp32's speed; BENCHMARKS.md).
+    fp32 runs do not grow so and are left alone. ``MALLOC_TRIM_THRESHOLD_`` or
+    ``MALLOC_MMAP_THRESHOLD_`` also bound the heap, at a third of the speed."""
     if on_cpu() and precision in ("bf16", "fp16"):
         trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
         if trim is not None:
