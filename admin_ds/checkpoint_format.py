@@ -9,14 +9,17 @@ writes checkpoints (train/checkpoints.py) and the code that reads them without a
       latest_complete           "update_000500"
 
 ``COMPLETE`` is a small JSON written last, atomically: the layout, model config and subword hash of
-the run, and the size and sha256 of every file each rank wrote. A tag without a ``COMPLETE`` that
-parses is a torn write; a tag whose files differ from its digests is corrupt and is set aside,
-never loaded. DeepSpeed is imported only by ``ds_to_universal``, where it runs.
+the run, the size and sha256 of every file each rank wrote, and the validation loss when the
+checkpoint was saved at a validation's update (``valid_loss``: what ``train.keep_best`` and
+``average_checkpoints.py --best`` rank by). A tag without a ``COMPLETE`` that parses is a torn
+write; a tag whose files differ from its digests is corrupt and is set aside, never loaded.
+DeepSpeed is imported only by ``ds_to_universal``, where it runs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -112,6 +115,42 @@ def newest_verified_tags(ckpt_dir: str | os.PathLike, count: int, log=print) -> 
         else:
             _set_aside(ckpt_dir, tag, problem, log)
     return found[::-1]
+
+
+def valid_loss(tag_dir: Path) -> Optional[float]:
+    """The validation loss recorded with a complete checkpoint, or None (saved between
+    validations, or by a version that did not record it)."""
+    loss = read_info(tag_dir).get("valid_loss")
+    return float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+
+
+def tags_to_keep(ckpt_dir: Path, keep_last: int, keep_best: int = 0) -> set[str]:
+    """The complete tags a prune keeps: the ``keep_last`` newest and the ``keep_best`` with the
+    lowest recorded validation loss (the older one first among equals)."""
+    tags = complete_tags(ckpt_dir)
+    return set(tags[-keep_last:]) | set(_best_first(ckpt_dir, tags)[:keep_best])
+
+
+def _best_first(ckpt_dir: Path, tags: list[str]) -> list[str]:
+    """``tags`` (oldest first) that recorded a validation loss, lowest loss first."""
+    scored = [(loss, i, t) for i, t in enumerate(tags) if (loss := valid_loss(ckpt_dir / t)) is not None]
+    return [t for _, _, t in sorted(scored)]
+
+
+def best_verified_tags(ckpt_dir: str | os.PathLike, count: int, log=print) -> list[str]:
+    """The ``count`` intact checkpoints with the lowest recorded validation loss (fewer if there are
+    not so many), oldest first; corrupt ones met on the way are set aside as by ``newest_verified``."""
+    ckpt_dir, found = Path(ckpt_dir), []
+    tags = complete_tags(ckpt_dir)
+    for tag in _best_first(ckpt_dir, tags):
+        if len(found) == count:
+            break
+        problem = verify(ckpt_dir / tag)
+        if problem is None:
+            found.append(tag)
+        else:
+            _set_aside(ckpt_dir, tag, problem, log)
+    return sorted(found, key=tags.index)
 
 
 def _set_aside(ckpt_dir: Path, tag: str, problem: str, log) -> None:

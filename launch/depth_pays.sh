@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Does depth pay? Admin Transformers of one width (the Multi30k recipe's 256/1024/4) at several
 # depths on Multi30k en-de, each trained until its validation loss stops improving
-# (train.patience), its last checkpoints averaged, test2016 decoded with beam 4, and every pair of
+# (train.patience), its checkpoints of lowest validation loss averaged (train.keep_best: the last
+# ones come after the best), test2016 decoded with beam 4, and every pair of
 # models compared by sacreBLEU's paired bootstrap (docs/results.md); the runs' curves
 # side by side in OUT/curves.png.
 #
@@ -13,7 +14,7 @@
 # checkpoint and redoes only what is missing. Models of 60 layers or more train as 2 pipeline
 # stages on 2 ranks, the others in one process (both with DS_CONFIG).
 # Environment: INIT (admin, post or pre), MAX_UPDATES (8000), PATIENCE (validations, 5),
-# VALID_EVERY (updates, 160), AVERAGE (checkpoints averaged, 5), DS_CONFIG (the engine config,
+# VALID_EVERY (updates, 160), AVERAGE (checkpoints of lowest validation loss averaged, 5), DS_CONFIG (the engine config,
 # ds_configs/zero1.json; ds_configs/zero1_bf16.json trains 1.6-2x faster on a CPU with AMX, e.g. Intel
 # Sapphire Rapids, or on a bf16 GPU: BENCHMARKS.md).
 set -euo pipefail
@@ -50,7 +51,7 @@ for depth in "${DEPTHS[@]}"; do
           --model.num_encoder_layers="$enc" --model.num_decoder_layers="$dec" --train.run_dir="$run"
           --train.max_updates="$MAX_UPDATES" --train.patience="$PATIENCE"
           --train.valid_interval_updates="$VALID_EVERY" --train.save_interval_updates="$VALID_EVERY"
-          --train.keep_last="$AVERAGE" --train.final_eval=false)
+          --train.keep_last=1 --train.keep_best="$AVERAGE" --train.final_eval=false)
     echo "[depth] $run: training (${enc}L-${dec}L, $INIT)"
     if (( enc + dec >= 60 )); then
         python -m torch.distributed.run --standalone --nproc_per_node 2 launch/train.py \
@@ -58,9 +59,9 @@ for depth in "${DEPTHS[@]}"; do
     else
         python launch/train.py --deepspeed_config "$DS_CONFIG" "${args[@]}"
     fi
-    avg=$run/avg$AVERAGE.pt hyp=$run/test.avg$AVERAGE.hyp.de
+    avg=$run/best$AVERAGE.pt hyp=$run/test.best$AVERAGE.hyp.de
     if [ ! -s "$hyp" ] || [ "$hyp" -ot "$run/checkpoints/latest_complete" ]; then
-        python launch/average_checkpoints.py --run "$run" --last "$AVERAGE" --out "$avg"
+        python launch/average_checkpoints.py --run "$run" --best "$AVERAGE" --out "$avg"
         python launch/translate.py --checkpoint "$avg" --input "$DATA/test.en" --beam 4 --lenpen 0.6 > "$hyp.tmp"
         mv "$hyp.tmp" "$hyp"
     fi
@@ -79,7 +80,7 @@ done
 runs=(); for hyp in "${hyps[@]}"; do runs+=("$(dirname "$hyp")"); done
 echo "[depth] training and validation curves: $OUT/curves.png"
 python launch/plot_runs.py "${runs[@]}" --out "$OUT/curves.png"
-echo "[depth] test2016, beam 4, the average of each run's last $AVERAGE checkpoints"
+echo "[depth] test2016, beam 4, the average of each run's $AVERAGE checkpoints of lowest validation loss"
 if (( ${#hyps[@]} == 1 )); then
     python launch/evaluate.py --hyp "${hyps[0]}" --ref "$DATA/test.de" --lang en-de
 fi

@@ -10,7 +10,7 @@ import subprocess
 from distributed import REPO
 from shared_data import DATA, needs_data
 
-TINY = {"MAX_UPDATES": "4", "VALID_EVERY": "2", "AVERAGE": "2", "PATIENCE": "1"}
+TINY = {"MAX_UPDATES": "6", "VALID_EVERY": "2", "AVERAGE": "2", "PATIENCE": "2"}
 
 
 def depth_pays(out, *depths):
@@ -24,17 +24,19 @@ def test_two_depths_compared_and_a_rerun_redoes_nothing(tmp_path):
     out = tmp_path / "depth"
     first = depth_pays(out, "1-1", "2-2")
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    hyps = [out / f"admin_{d}/test.avg2.hyp.de" for d in ("1L-1L", "2L-2L")]
+    hyps = [out / f"admin_{d}/test.best2.hyp.de" for d in ("1L-1L", "2L-2L")]
     test_lines = (out / "data/test.en").read_text(encoding="utf-8").count("\n")
     for hyp in hyps:
         assert hyp.read_text(encoding="utf-8").count("\n") == test_lines == 1000
         tags = sorted(p.name for p in (hyp.parent / "checkpoints").glob("update_*"))
-        assert tags == ["update_000002", "update_000004"]  # keep_last = AVERAGE, every VALID_EVERY updates
+        # keep_best = AVERAGE: the two validated at updates 2 and 4, and the newest (6, never validated)
+        assert tags == ["update_000002", "update_000004", "update_000006"]
+        assert "[average] + update_000002" in first.stderr and "[average] + update_000006" not in first.stderr
         summary = json.loads((hyp.parent / "summary.json").read_text())
-        assert summary["updates"] == 4 and summary["cpu_hours"] > 0
-        assert f"{hyp.parent / 'summary.json'}: {summary['parameters'] / 1e6:.1f}M parameters, 4 updates" in first.stdout
+        assert summary["updates"] == 6 and summary["cpu_hours"] > 0
+        assert f"{hyp.parent / 'summary.json'}: {summary['parameters'] / 1e6:.1f}M parameters, 6 updates" in first.stdout
     assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
-    assert f"| {hyps[1].parent} | 4 |" in first.stdout  # plot_runs's table: the run and its updates
+    assert f"| {hyps[1].parent} | 6 |" in first.stdout  # plot_runs's table: the run and its updates
     table = first.stdout[first.stdout.index("paired bootstrap"):]
     assert str(hyps[0]) in table and str(hyps[1]) in table  # the deeper run against the shallowest
 

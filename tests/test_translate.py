@@ -125,6 +125,28 @@ def test_average_equals_hand_average(run_dir, tmp_path):
     assert avg.subword_model_bytes == (run_dir / "data/spm.model").read_bytes()
 
 
+def test_keep_best_keeps_and_averages_the_checkpoints_of_lowest_validation_loss(tmp_path):
+    """A run whose validation loss turns up (a high learning rate): train.keep_best keeps the two
+    checkpoints of lowest validation loss, as metrics.jsonl records them, beside the newest, and
+    --best 2 averages exactly those."""
+    import json
+
+    run = tmp_path / "run"
+    ok(cli("train.py", "--deepspeed_config", REPO / "ds_configs/zero1.json", f"--train.run_dir={run}",
+           "--data.default_pairs=1500", "--data.default_vocab_size=400", "--data.max_tokens=2048",
+           "--optim.warmup_updates=2", "--optim.lr=5e-2", "--train.max_updates=24", "--train.valid_interval_updates=2",
+           "--train.save_interval_updates=2", "--train.keep_last=1", "--train.keep_best=2", "--train.final_eval=false"))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    valid = {r["update"]: r["loss"] for r in records if r["kind"] == "valid"}
+    best = sorted(sorted(valid, key=valid.get)[:2])
+    assert best != sorted(valid)[-2:], valid  # the loss turned up: the best are not the newest
+    kept = sorted(p.name for p in (run / "checkpoints").glob("update_*"))
+    assert kept == [f"update_{u:06d}" for u in best] + ["update_000024"]
+    out = tmp_path / "best2.pt"
+    ok(cli("average_checkpoints.py", "--run", run, "--best", 2, "--out", out))
+    assert load_model_file(out).meta["averaged_tags"] == [f"update_{u:06d}" for u in best]
+
+
 # ---- (b) translate.py ----------------------------------------------------------------------------
 
 

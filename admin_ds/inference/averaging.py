@@ -1,5 +1,7 @@
 """Checkpoint averaging: the papers evaluate the mean of the last 10 checkpoints' weights
-(ADMIN_NOTES.md section 5). Command line: launch/average_checkpoints.py.
+(ADMIN_NOTES.md section 5). Command line: launch/average_checkpoints.py. A run that stops on
+``train.patience`` can instead average its checkpoints of lowest validation loss (``best``, those
+``train.keep_best`` kept): its last ones come after its best.
 
 Each checkpoint's fp32 weights come from DeepSpeed's consolidation (model_file.py), whatever its
 ZeRO stage, pipeline layout and world size; every parameter is averaged in float64 and cast back.
@@ -15,23 +17,26 @@ from pathlib import Path
 
 import torch
 
-from admin_ds.checkpoint_format import newest_verified_tags
+from admin_ds.checkpoint_format import best_verified_tags, newest_verified_tags
 from admin_ds.errors import CheckpointError
 from admin_ds.inference.model_file import ModelFile, load_run_checkpoint
 
 
 def average_checkpoints(run_dir: Path, last: int, log=lambda msg: print(msg, file=sys.stderr),
-                        trust_unverified: bool = False) -> ModelFile:
-    """The ModelFile averaging the ``last`` newest complete, intact checkpoints of ``run_dir``.
-    A checkpoint whose files no longer match their digests is set aside (``<tag>.corrupt``, as a
-    resume does), with a warning, and an older one takes its place."""
+                        trust_unverified: bool = False, best: bool = False) -> ModelFile:
+    """The ModelFile averaging the ``last`` newest complete, intact checkpoints of ``run_dir``
+    (with ``best``: the ``last`` of lowest recorded validation loss). A checkpoint whose files no
+    longer match their digests is set aside (``<tag>.corrupt``, as a resume does), with a warning,
+    and another takes its place."""
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")
-    tags = newest_verified_tags(run_dir / "checkpoints", last, log=lambda msg: log(f"warning: {msg}"))
+    choose = best_verified_tags if best else newest_verified_tags
+    tags = choose(run_dir / "checkpoints", last, log=lambda msg: log(f"warning: {msg}"))
     if len(tags) < last:
-        raise CheckpointError(f"{run_dir}: {len(tags)} complete, intact checkpoint(s) "
-                              f"({', '.join(tags) or 'none'}), fewer than --last {last}")
-    tags = tags[-last:]
+        which = ("intact checkpoint(s) with a recorded validation loss (train.keep_best keeps them)" if best
+                 else "complete, intact checkpoint(s)")
+        raise CheckpointError(f"{run_dir}: {len(tags)} {which} ({', '.join(tags) or 'none'}), "
+                              f"fewer than --{'best' if best else 'last'} {last}")
     sums: dict[str, torch.Tensor] = {}
     first = newest = None
     for tag in tags:

@@ -13,7 +13,8 @@ Atomic saves. DeepSpeed's ``save_checkpoint`` is a plain ``torch.save`` per file
    (collective; it ends with a barrier), and writes its own RNG state into the tag;
 2. the ranks agree that every write succeeded; then rank 0 writes ``COMPLETE`` (a small JSON)
    into the tag and moves our own pointer ``latest_complete``, both atomically (files.py);
-3. old complete tags beyond ``keep_last`` and incomplete leftovers are removed afterwards.
+3. afterwards, incomplete leftovers and the complete tags that are neither among the ``keep_last``
+   newest nor among the ``keep_best`` with the lowest validation loss are removed.
 
 ``COMPLETE`` describes the checkpoint: its layout, model config and subword hash (so every rank
 can plan the resume before the engine is built) and the size and sha256 of every file each rank
@@ -60,7 +61,8 @@ import torch
 
 from admin_ds import distributed, files, safe_load
 from admin_ds.checkpoint_format import (COMPLETE, CONVERTED, POINTER, TAG_PATTERN, complete_tags, ds_to_universal,
-                                        is_complete, newest_complete, newest_verified, read_info, tag_for)
+                                        is_complete, newest_complete, newest_verified, read_info, tag_for,
+                                        tags_to_keep)
 from admin_ds.errors import CheckpointError, ConfigError
 
 LAYOUT_KEYS = ("data_parallel", "pipeline", "zero", "precision")
@@ -201,9 +203,9 @@ class CheckpointManager:
     an engine are collective: every rank calls them."""
 
     def __init__(self, ckpt_dir: str | os.PathLike, keep_last: int = 3, log: Callable[[str], None] = print,
-                 write_hooks: Optional[list[WriteHook]] = None) -> None:
+                 write_hooks: Optional[list[WriteHook]] = None, keep_best: int = 0) -> None:
         self.dir = Path(ckpt_dir)
-        self.keep_last = keep_last
+        self.keep_last, self.keep_best = keep_last, keep_best
         self.log = log
         self.write_hooks = write_hooks if write_hooks is not None else []  # hooks.Hooks.on_checkpoint_write
 
@@ -318,8 +320,9 @@ class CheckpointManager:
         return final
 
     # ---- saving --------------------------------------------------------------------------------
-    def save(self, engine, update: int, client_state: dict) -> str:
-        """Save ``update``; returns the tag. Collective."""
+    def save(self, engine, update: int, client_state: dict, valid_loss: Optional[float] = None) -> str:
+        """Save ``update``, with the validation loss measured at this update if there was one;
+        returns the tag. Collective."""
         tag = tag_for(update)
         tag_dir = self.dir / tag
         if distributed.rank() == 0 and tag_dir.exists():
@@ -345,6 +348,7 @@ class CheckpointManager:
             info = {"update": update, "time": time.time(), "world_size": distributed.world_size(),
                     **{k: ours[k] for k in ("layout", "model_config", "subword_sha256", "direction", "engine")
                        if k in ours},
+                    **({"valid_loss": valid_loss} if valid_loss is not None else {}),
                     "files": written}
             try:
                 files.write_text(tag_dir / COMPLETE, json.dumps(info) + "\n")
@@ -382,8 +386,9 @@ class CheckpointManager:
 
     def _prune(self, keep: str) -> None:
         complete = complete_tags(self.dir)
-        for old in complete[:-self.keep_last]:
-            if old != keep:
+        kept = tags_to_keep(self.dir, self.keep_last, self.keep_best) | {keep}
+        for old in complete:
+            if old not in kept:
                 shutil.rmtree(self.dir / old, ignore_errors=True)
         newest = complete[-1] if complete else keep
         for p in self.dir.iterdir():  # torn tags older than the newest complete one are dead weight

@@ -297,7 +297,7 @@ class Training:
         self.cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
         self.given_profile = given_profile(run.admin.profile, self.cfg)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", run.train.keep_last, self.log.info,
-                                             self.hooks.on_checkpoint_write)
+                                             self.hooks.on_checkpoint_write, keep_best=run.train.keep_best)
         # Before the engine: a layout change needs an engine built for universal loading.
         self.resume_plan = self.checkpoints.plan_resume(self.layout, self.cfg, self.manifest) if run.train.resume else None
         configure_loading(self.ds, self.resume_plan)
@@ -322,6 +322,7 @@ class Training:
         self.state = TrainState()
         self.cpu_mark = 0.0  # the process's CPU time charged to the run so far (TrainState.charge_cpu)
         self.saved_update: Optional[int] = None
+        self.last_valid: tuple[int, float] = (-1, math.nan)  # (update, loss) of the last validation
         self.profile: Optional[Profile] = None
         # Dropout masks repeat from run to run, also when no profiling pass seeds them (a reused
         # profile); a resumed run restores the checkpoint's RNG states instead.
@@ -380,7 +381,9 @@ class Training:
         t0 = time.perf_counter()
         self.watchdog.mark(f"checkpoint {self.state.update}")
         self.cpu_mark = self.state.charge_cpu(self.cpu_mark)
-        tag = self.checkpoints.save(self.runner.engine, self.state.update, self.client_state())
+        at, loss = self.last_valid
+        tag = self.checkpoints.save(self.runner.engine, self.state.update, self.client_state(),
+                                    valid_loss=loss if at == self.state.update else None)
         self.saved_update = self.state.update
         self.log.info(f"[checkpoint] saved {self.checkpoints.dir / tag} in {time.perf_counter() - t0:.1f}s")
 
@@ -516,6 +519,7 @@ class Training:
             self.log.record("valid", update=u, **v)
             self.log.info(f"[valid] update {u}: loss {v['loss']:.3f} nll {v['nll']:.3f} ppl {v['ppl']:.2f}")
             self.state.note_validation(v["loss"])
+            self.last_valid = (u, v["loss"])
             if self.state.converged(run.train.patience):
                 self.log.info(f"[valid] no improvement for {run.train.patience} validations: stopping (train.patience)")
         every = run.train.bleu_interval_updates

@@ -97,6 +97,9 @@ class TrainSection:
     max_epochs: Optional[int] = None
     save_interval_updates: int = 500
     keep_last: int = 3
+    # Also keep the N checkpoints with the lowest validation loss, for `average_checkpoints.py
+    # --best N` (Joey NMT's keep_best_ckpts); needs saves at validations (a multiple of the interval).
+    keep_best: int = 0
     log_interval: int = 10
     valid_interval_updates: int = 250
     # Stop once the validation loss has not improved on its best for this many validations in a row
@@ -212,7 +215,14 @@ class RunConfig:
         need(self.data.max_tokens > 0, "data.max_tokens", "must be positive")
         need(self.train.max_updates > 0, "train.max_updates", "must be positive")
         need(self.train.save_interval_updates > 0, "train.save_interval_updates", "must be positive")
+        need(self.train.valid_interval_updates > 0, "train.valid_interval_updates", "must be positive")
+        need(self.train.log_interval > 0, "train.log_interval", "must be positive")
         need(self.train.keep_last >= 1, "train.keep_last", "must be >= 1")
+        need(self.train.keep_best >= 0, "train.keep_best", "must be >= 0")
+        need(self.train.keep_best == 0 or self.train.save_interval_updates % self.train.valid_interval_updates == 0,
+             "train.keep_best", f"ranks checkpoints by their validation loss, so train.save_interval_updates "
+             f"({self.train.save_interval_updates}) must be a multiple of train.valid_interval_updates "
+             f"({self.train.valid_interval_updates})")
         need(self.train.patience is None or self.train.patience >= 1, "train.patience",
              "must be >= 1 (validations without improvement), or null to train to max_updates")
         t = self.train
