@@ -105,8 +105,15 @@ def newest_verified(ckpt_dir: str | os.PathLike, log=print) -> Optional[str]:
 def newest_verified_tags(ckpt_dir: str | os.PathLike, count: int, log=print) -> list[str]:
     """The ``count`` newest complete checkpoints whose files are intact (fewer if there are not
     so many), oldest first; corrupt ones met on the way are set aside as by ``newest_verified``."""
-    ckpt_dir, found = Path(ckpt_dir), []
-    for tag in reversed(complete_tags(ckpt_dir)):
+    ckpt_dir = Path(ckpt_dir)
+    return _first_intact(ckpt_dir, reversed(complete_tags(ckpt_dir)), count, log)[::-1]
+
+
+def _first_intact(ckpt_dir: Path, candidates, count: int, log) -> list[str]:
+    """The first ``count`` of ``candidates`` whose files are intact, in their order; the corrupt
+    ones met on the way are set aside."""
+    found = []
+    for tag in candidates:
         if len(found) == count:
             break
         problem = verify(ckpt_dir / tag)
@@ -114,7 +121,7 @@ def newest_verified_tags(ckpt_dir: str | os.PathLike, count: int, log=print) -> 
             found.append(tag)
         else:
             _set_aside(ckpt_dir, tag, problem, log)
-    return found[::-1]
+    return found
 
 
 def valid_loss(tag_dir: Path) -> Optional[float]:
@@ -140,17 +147,9 @@ def _best_first(ckpt_dir: Path, tags: list[str]) -> list[str]:
 def best_verified_tags(ckpt_dir: str | os.PathLike, count: int, log=print) -> list[str]:
     """The ``count`` intact checkpoints with the lowest recorded validation loss (fewer if there are
     not so many), oldest first; corrupt ones met on the way are set aside as by ``newest_verified``."""
-    ckpt_dir, found = Path(ckpt_dir), []
+    ckpt_dir = Path(ckpt_dir)
     tags = complete_tags(ckpt_dir)
-    for tag in _best_first(ckpt_dir, tags):
-        if len(found) == count:
-            break
-        problem = verify(ckpt_dir / tag)
-        if problem is None:
-            found.append(tag)
-        else:
-            _set_aside(ckpt_dir, tag, problem, log)
-    return sorted(found, key=tags.index)
+    return sorted(_first_intact(ckpt_dir, _best_first(ckpt_dir, tags), count, log), key=tags.index)
 
 
 def _set_aside(ckpt_dir: Path, tag: str, problem: str, log) -> None:
