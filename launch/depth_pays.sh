@@ -26,6 +26,9 @@ shift $(( $# < 2 ? $# : 2 ))
 INIT=${INIT:-admin}
 MAX_UPDATES=${MAX_UPDATES:-8000} PATIENCE=${PATIENCE:-5} VALID_EVERY=${VALID_EVERY:-160} AVERAGE=${AVERAGE:-5}
 DS_CONFIG=${DS_CONFIG:-ds_configs/zero1.json}
+for var in MAX_UPDATES PATIENCE VALID_EVERY AVERAGE; do  # before hours of training, not after
+    [[ ${!var} =~ ^[1-9][0-9]*$ ]] || { echo "depth_pays.sh: $var must be a positive integer, got '${!var}'" >&2; exit 2; }
+done
 [ -f "$DS_CONFIG" ] || { echo "depth_pays.sh: DS_CONFIG: no such file '$DS_CONFIG'" >&2; exit 2; }
 case $INIT in
     admin) MODEL=(--model.init=admin) ;;

@@ -54,3 +54,12 @@ def test_a_bad_depth_is_refused_before_any_work(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("depth_pays.sh: a depth is E-D with positive integers "
                                                     "(e.g. 60-12), got '6x6'")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_setting_is_refused_before_any_work(tmp_path):
+    proc = subprocess.run(["bash", "launch/depth_pays.sh", str(tmp_path / "raw"), str(tmp_path / "out"), "1-1"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", AVERAGE="0"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "depth_pays.sh: AVERAGE must be a positive integer, got '0'"
+    assert not (tmp_path / "out").exists()
