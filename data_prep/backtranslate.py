@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 
 from admin_ds import files
-from admin_ds.arguments import existing_path, float_in, input_file, int_in
+from admin_ds.arguments import existing_path, float_in, input_file, int_in, output_dir
 from admin_ds.errors import UserError
 from admin_ds.inference.limits import add_limit_arguments, check_decoding_arguments
 from admin_ds.files import atomic_output, bounded_lines, sha256_file
@@ -46,6 +46,7 @@ from data_prep.steps import make_key
 
 BT_VERSION = 1
 METHODS = ("beam", "sampling", "topk", "noised-beam")
+DEFAULT_TOPK = 10
 TAG = "<BT>"
 
 
@@ -58,16 +59,17 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=existing_path, help="reverse model: run dir, checkpoint tag dir or model file")
     p.add_argument("--mono", required=True, nargs="+", type=input_file, help="target-language monolingual text")
-    p.add_argument("--out", required=True, type=Path, help="output data directory")
+    p.add_argument("--out", required=True, type=output_dir, help="output data directory")
     p.add_argument("--bitext", required=True, type=Path, help="prepared real data directory (manifest.json, spm.model)")
     p.add_argument("--method", choices=METHODS, default="sampling")
     p.add_argument("--tag", action="store_true", help=f"prefix synthetic sources with {TAG}")
     p.add_argument("--upsample", type=int_in(1), default=1, help="copies of the real bitext")
     p.add_argument("--shards", type=int_in(1), default=1)
-    p.add_argument("--seed", type=int, default=1, help="shard i uses seed + i")
+    # numpy's generators (noise, --shuffle) refuse a negative seed; the bound is preparation's
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=1, help="shard i uses seed + i")
     p.add_argument("--beam", type=int_in(1), default=5)
     p.add_argument("--lenpen", type=float_in(), default=1.0)
-    p.add_argument("--topk", type=int_in(1), default=10)
+    p.add_argument("--topk", type=int_in(1), default=None, help=f"--method topk only (default {DEFAULT_TOPK})")
     p.add_argument("--max-tokens", type=int_in(1), default=4096)
     p.add_argument("--max-len-a", type=float_in(0), default=1.2)
     p.add_argument("--max-len-b", type=int_in(0), default=10)
@@ -82,10 +84,17 @@ def parse_args(argv=None):
     p.add_argument("--ratio", type=float_in(1), default=1.5)
     p.add_argument("--trust-unverified", action="store_true",
                    help="accept a reverse model written without digests (an older version)")
+    p.add_argument("--any-direction", action="store_true",
+                   help="accept a reverse model whose recorded languages are not the bitext's reversed, with a "
+                        "warning (a throughput benchmark with the model at hand; data labelled otherwise)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.min_len > a.max_len:
         p.error(f"--min-len {a.min_len} exceeds --max-len {a.max_len}")
+    if a.topk is not None and a.method != "topk":
+        p.error(f"--topk applies to --method topk only, not --method {a.method}")
+    if a.method == "topk" and a.topk is None:
+        a.topk = DEFAULT_TOPK
     check_decoding_arguments(p, a, min_len=False)  # --min-len here is the length filter's
     return a
 
@@ -281,6 +290,21 @@ def model_identity(path: Path, trust_unverified: bool = False, int8: bool = Fals
     return ident
 
 
+def check_direction(a, model_id: dict, manifest: dict) -> None:
+    """The reverse model must translate the bitext's target into its source: checked after the model
+    load (the languages are in the model), before the mono text is read. The languages a model
+    records are those of the data manifest it was trained on (model_file.py); a model that records
+    none (an older one) passes."""
+    want = (manifest["tgt_lang"], manifest["src_lang"])
+    got = (model_id.get("src_lang"), model_id.get("tgt_lang"))
+    if any(g is not None and g != w for g, w in zip(got, want)):
+        problem = (f"--model {a.model}: translates {got[0]}->{got[1]}, but --bitext {a.bitext} is "
+                   f"{want[1]}->{want[0]}: back-translation needs a {want[0]}->{want[1]} model")
+        if not a.any_direction:
+            raise PrepError(f"{problem} (--any-direction to go on regardless)")
+        log(f"warning: {problem}; going on (--any-direction)")
+
+
 # ---- combine ----------------------------------------------------------------------------------
 
 def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id: dict, t_start: float,
@@ -351,7 +375,7 @@ def combine(a, manifest: dict, sp, keys: list[dict], mono_stats: dict, model_id:
                        "mono": mono_stats, "synthetic": stats, "train": len(order)},
             "method": a.method, "tag": TAG if a.tag else None, "tag_id": tag_id, "seed": a.seed,
             "shards": a.shards, "shuffle": a.shuffle, "beam": a.beam, "lenpen": a.lenpen,
-            "topk": a.topk if a.method == "topk" else None,
+            "topk": a.topk,
             "noise": ({"word_dropout": 0.1, "blank": 0.1, "blank_token": "<unk> (unknown id)",
                        "shuffle_k": 3} if a.method == "noised-beam" else None),
             "length_filter": {"min_len": f.min_len, "max_len": f.max_len, "ratio": f.ratio},
@@ -407,19 +431,19 @@ def run(a) -> int:
         threads = a.workers or len(cores)
         torch.set_num_threads(threads)
         manifest, sp = check_inputs(a)
-        t_load = time.perf_counter()
-        model_id = model_identity(a.model, a.trust_unverified, a.int8)
-        t_read = time.perf_counter()
-        if (model_id.get("src_lang"), model_id.get("tgt_lang")) not in ((None, None), (manifest["tgt_lang"], manifest["src_lang"])):
-            log(f"warning: the reverse model translates {model_id['src_lang']}->{model_id['tgt_lang']}, but the bitext is "
-                f"{manifest['src_lang']}->{manifest['tgt_lang']} (expected a {manifest['tgt_lang']}->{manifest['src_lang']} model)")
-        lines, mono_stats = read_mono(a.mono, manifest["tgt_lang"])
-        timings = {"load": t_read - t_load, "read": time.perf_counter() - t_read}
-        if a.shards > len(lines):
-            raise PrepError(f"--shards {a.shards}: more shards than the {len(lines)} non-empty mono lines")
+        # Locked before the model load, so that a second run into the same --out is refused
+        # before any work; a folder the lock made is removed again if the run stops before writing.
         lock = open_output_dir(a.out) if rank == 0 else None
-        distributed.barrier()
         try:
+            t_load = time.perf_counter()
+            model_id = model_identity(a.model, a.trust_unverified, a.int8)
+            t_read = time.perf_counter()
+            check_direction(a, model_id, manifest)
+            lines, mono_stats = read_mono(a.mono, manifest["tgt_lang"])
+            timings = {"load": t_read - t_load, "read": time.perf_counter() - t_read}
+            if a.shards > len(lines):
+                raise PrepError(f"--shards {a.shards}: more shards than the {len(lines)} non-empty mono lines")
+            distributed.barrier()
             from admin_ds.data.binarize import MANIFEST
 
             if rank == 0:

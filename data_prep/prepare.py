@@ -37,7 +37,7 @@ EVAL_MAX_LINE_BYTES = 1 << 20  # dev/test lines are never dropped for length; th
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="prepare_wmt14.sh", description="WMT14 (or local parallel text) -> binarized data directory.",
+        prog=os.environ.get("DATA_PREP_ARGV0", "python -m data_prep.prepare"), description="WMT14 (or local parallel text) -> binarized data directory.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("pair", type=corpus_pair, help="language pair SRC-TGT: en-de or en-fr (any pair with local files); "
                                 "the first language is the source")
@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sw.add_argument("--spm-threads", type=int_in(1), default=8,
                     help="SentencePiece trainer threads (the model depends on it: kept fixed by default)")
     sw.add_argument("--character-coverage", type=float_in(0, 1, low_open=True), default=1.0)
-    sw.add_argument("--seed", type=int, default=1)
+    sw.add_argument("--seed", type=int_in(0, 2**32 - 1), default=1,
+                    help="subword sample and SentencePiece (whose seed is an unsigned 32-bit integer)")
     fl = p.add_argument_group("training-pair filters")
     fl.add_argument("--min-len", type=int_in(0), default=1, help="minimum subwords per side")
     fl.add_argument("--max-len", type=int_in(1), default=250, help="maximum subwords per side")
@@ -96,6 +97,20 @@ def _cpus() -> int:
         return os.cpu_count() or 1
 
 
+def check_user_symbols(symbols: list[str]) -> None:
+    """What the subword step refuses (admin_ds/data/subword.py), refused before the cleaning."""
+    from admin_ds.data.subword import SPECIAL_PIECES
+
+    for i, sym in enumerate(symbols):
+        if not sym:
+            raise PrepError("--user-symbols: an empty symbol")
+        if sym in SPECIAL_PIECES.values():
+            raise PrepError(f"--user-symbols: {sym} is a special piece (ids 0-3: "
+                            f"{' '.join(SPECIAL_PIECES[k] for k in sorted(SPECIAL_PIECES))})")
+        if sym in symbols[:i]:
+            raise PrepError(f"--user-symbols: {sym} is given twice")
+
+
 def build_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
     """Check the options and find every input; raises PrepError naming what is wrong."""
     s, t = args.pair.split("-")  # checked by argparse (admin_ds.arguments.corpus_pair)
@@ -104,6 +119,7 @@ def build_plan(args: argparse.Namespace, argv: list[str]) -> Plan:
         raise PrepError(f"no default vocabulary size for {s}-{t}: give --vocab-size")
     if args.max_len < args.min_len:
         raise PrepError(f"--max-len {args.max_len} is below --min-len {args.min_len}")
+    check_user_symbols(args.user_symbols)
     if args.json_dir and (args.raw_dir or args.tsv):
         raise PrepError("--json-dir cannot be combined with --raw-dir or --tsv: choose one source")
     if args.tsv and not args.raw_dir:

@@ -88,6 +88,7 @@ def main(argv=None) -> int:
             bleu_beam=args.bleu_beam, seeds=args.seeds, pipeline_from=args.pipeline_from, extra=extra, deepspeed_config=args.deepspeed_config)
         if args.deepspeed_config is None:  # the scale's engine JSON, from wherever the command runs
             grid.deepspeed_config = os.path.relpath(HERE.parent / grid.deepspeed_config)
+        grid.check_settings()
         out = Path(args.out)
         data = Path(args.data) if args.data else out / "data"
         if args.raw_dir:
@@ -102,12 +103,18 @@ def main(argv=None) -> int:
         if not args.report_only:
             atlas.run(args.jobs)
         curve = output_change_curve(grid, seeds=args.output_change_seeds) if args.output_change_seeds else None
-        paths = write_report(atlas.collect(curve), out, "python launch/atlas.py " + shlex.join(argv))
+        report = atlas.collect(curve)
+        paths = write_report(report, out, "python launch/atlas.py " + shlex.join(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((out / "atlas.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    failed = [c["name"] for c in report["cells"] if c["outcome"] == "failed"]
+    if failed:  # an error, not an outcome: the report says which and why
+        print(f"error: {len(failed)} cell(s) failed with an error ({', '.join(failed)}); see their train.log",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -29,6 +29,11 @@ DS_CONFIG=${DS_CONFIG:-ds_configs/zero1.json}
 for var in MAX_UPDATES PATIENCE VALID_EVERY AVERAGE; do  # before hours of training, not after
     [[ ${!var} =~ ^[1-9][0-9]*$ ]] || { echo "depth_pays.sh: $var must be a positive integer, got '${!var}'" >&2; exit 2; }
 done
+# Every run must record AVERAGE validations: one that stops on PATIENCE records at least PATIENCE + 1,
+# one that reaches MAX_UPDATES (never validated at its last update) (MAX_UPDATES - 1) / VALID_EVERY.
+(( AVERAGE <= PATIENCE + 1 && AVERAGE <= (MAX_UPDATES - 1) / VALID_EVERY )) || {
+    echo "depth_pays.sh: AVERAGE=$AVERAGE checkpoints of lowest validation loss need PATIENCE >= $((AVERAGE - 1))" \
+         "and MAX_UPDATES > $((AVERAGE * VALID_EVERY)) (validations every VALID_EVERY=$VALID_EVERY updates)" >&2; exit 2; }
 [ -f "$DS_CONFIG" ] || { echo "depth_pays.sh: DS_CONFIG: no such file '$DS_CONFIG'" >&2; exit 2; }
 case $INIT in
     admin) MODEL=(--model.init=admin) ;;

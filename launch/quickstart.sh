@@ -6,7 +6,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-source launch/setup_env.sh
+source launch/setup_env.sh requirements.txt  # not "$@": those are the training overrides
 if ! python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
   export DS_ACCELERATOR=cpu OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 fi

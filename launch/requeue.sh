@@ -18,7 +18,13 @@ set -u
 set -m  # each attempt in a process group of its own, so that a stop reaches all of its processes
 max_requeues=100
 if [ "${1:-}" = "--max-requeues" ]; then
-    max_requeues=$2
+    # Checked here: the loop compares it only after the first attempt, where a non-number makes
+    # `[` fail and leaves the requeues unbounded. At most 9 digits, inside bash's integers.
+    if ! [[ "${2:-}" =~ ^[0-9]{1,9}$ ]]; then
+        echo "error: --max-requeues: expected a non-negative integer (at most 9 digits), got '${2:-}'" >&2
+        exit 2
+    fi
+    max_requeues=$((10#$2))
     shift 2
 fi
 if [ $# -eq 0 ]; then

@@ -200,6 +200,10 @@ def test_a_pipeline_cell_with_two_seeds_through_the_command(tmp_path):
     (["--depths", "6-x"], "error: --depths: expected N or N-M with positive integers (e.g. 18, 60-12), got '6-x'"),
     (["--data", "/nonexistent"], "error: --data: /nonexistent has no manifest.json"),
     (["--train.max_updates"], "error: unrecognised argument(s) --train.max_updates; cell settings are"),
+    (["--model.dropuot=0.3"], "error: command line: model.dropuot: unknown key (did you mean dropout_p?)"),
+    (["--model.dropout_p=2"], "error: model.dropout_p: "),
+    (["--optim.lr=1"], "error: --optim.lr=1: the atlas sets optim.lr in each cell (--inits, --depths, --lrs,"),
+    (["--deepspeed_config", "/nonexistent.json"], "error: --deepspeed_config: no such file: /nonexistent.json"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     if "--data" not in args:
@@ -208,6 +212,20 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith(message) and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@needs_data
+def test_a_cell_that_fails_with_an_error_fails_the_command(tmp_path):
+    """A cell's error (here: a validation split the data does not have, found by the training at
+    set-up) is no outcome of the grid: the report names it and the command exits 1."""
+    out = tmp_path / "atlas"
+    proc = atlas("--raw-dir", DATA / "multi30k", "--vocab-size", 1000, "--out", out, "--inits", "post", "--depths", 1,
+                 "--lrs", 1e-3, "--updates", 1, "--output-change-seeds", 0, "--data.valid_split=nope")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("error: 1 cell(s) failed with an error (post_1L-1L_lr0.001_wu100); "
+                                                    "see their train.log")
+    cell = json.loads((out / "atlas.json").read_text())["cells"][0]
+    assert cell["outcome"] == "failed" and "data.valid_split" in cell["reason"] and "'nope'" in cell["reason"]
 
 
 def test_trained_share_counts_finished_runs_only():

@@ -205,8 +205,10 @@ PREP = ("--vocab-size", "60", "--workers", "1", "--quiet")
 
 def bt(ctx: Ctx, *extra, model=None) -> list:
     mono = ctx.file("mono.de", "Das Haus ist klein.\nDer Hund läuft.\n")
+    # The shared model translates the bitext's direction, not the reverse one back-translation
+    # wants: these cases are about other inputs (the direction's is tests/test_backtranslate.py's).
     return ["--model", model or ctx.model, "--mono", mono, "--bitext", ctx.data, "--out", ctx.tmp / "bt",
-            "--method", "beam", "--beam", "1", *extra]
+            "--method", "beam", "--beam", "1", "--any-direction", *extra]
 
 
 # Billion laughs: nine levels of nine aliases, 9^9 values once expanded, 400 bytes on disk.
@@ -307,6 +309,14 @@ CASES = [
     Case("override-bad-choice", "train", lambda c: c.train("--model.init=magic"), ("model.init", "magic")),
     Case("valid-interval-0", "train", lambda c: c.train("--train.valid_interval_updates=0"),
          ("train.valid_interval_updates", "positive")),
+    Case("max-epochs-0", "train", lambda c: c.train("--train.max_epochs=0"), ("train.max_epochs", "positive")),
+    Case("warmup-init-lr-negative", "train", lambda c: c.train("--optim.warmup_init_lr=-1e-7"),
+         ("optim.warmup_init_lr", ">= 0")),
+    # found at set-up, not at the first validation or after the whole run
+    Case("valid-split-unknown", "train", lambda c: c.train("--data.valid_split=newstest2013"),
+         ("data.valid_split", "no split 'newstest2013'", "valid")),
+    Case("test-split-unknown", "train", lambda c: c.train("--data.test_split=newstest2014", "--train.final_eval=true"),
+         ("data.test_split", "no split 'newstest2014'")),
     Case("keep-best-between-validations", "train",
          lambda c: c.train("--train.keep_best=2", "--train.valid_interval_updates=4", "--train.save_interval_updates=6"),
          ("train.keep_best", "multiple", "(6)", "(4)")),

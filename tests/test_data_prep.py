@@ -628,6 +628,27 @@ def test_filtered_test_set_must_have_2737_lines(tmp_path, capsys):
     _assert_failed(rc, err, tmp_path / "out", "--filtered-test needs local files")
 
 
+def test_seed_and_user_symbols_are_checked_before_any_work(tmp_path, capsys):
+    """A seed SentencePiece cannot take and user symbols its trainer refuses used to fail in the
+    subword step, after the cleaning, with a traceback."""
+    raw = synthetic_corpus(tmp_path / "raw", n=20)
+    out = tmp_path / "out"
+    common = ["en-de", out, "--raw-dir", raw, "--vocab-size", "100", "--workers", "1", "--quiet"]
+    for seed in ("-1", str(2**32)):
+        with pytest.raises(SystemExit) as e:
+            run_prepare(capsys, *common, "--seed", seed)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err, err
+        assert f"error: argument --seed: must be an integer in 0..4294967295, got {seed}" in err, err
+        assert not out.exists()
+    for symbols, msg in ((["<BT>", "<BT>"], "--user-symbols: <BT> is given twice"),
+                         (["<BT>", ""], "--user-symbols: an empty symbol"),
+                         (["</s>"], "--user-symbols: </s> is a special piece")):
+        rc, err = run_prepare(capsys, *common, "--user-symbols", *symbols)
+        _assert_failed(rc, err, out, msg)
+        assert len(err.splitlines()) == 1 and not out.exists(), err
+
+
 def test_second_preparation_in_the_same_folder_is_refused(tmp_path, capsys):
     import fcntl
 

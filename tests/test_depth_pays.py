@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from distributed import REPO
 from shared_data import DATA, needs_data
 
@@ -56,10 +58,16 @@ def test_a_bad_depth_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_bad_setting_is_refused_before_any_work(tmp_path):
+@pytest.mark.parametrize("setting, message", [
+    ({"AVERAGE": "0"}, "AVERAGE must be a positive integer, got '0'"),
+    # a run that stops after 3 validations, or reaches update 800 after 3, cannot average 5
+    ({"PATIENCE": "2"}, "AVERAGE=5 checkpoints of lowest validation loss need PATIENCE >= 4 and MAX_UPDATES > 800"),
+    ({"MAX_UPDATES": "800"}, "need PATIENCE >= 4 and MAX_UPDATES > 800 (validations every VALID_EVERY=160 updates)"),
+])
+def test_a_bad_setting_is_refused_before_any_work(tmp_path, setting, message):
     proc = subprocess.run(["bash", "launch/depth_pays.sh", str(tmp_path / "raw"), str(tmp_path / "out"), "1-1"],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, DS_ACCELERATOR="cpu", AVERAGE="0"))
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", **setting))
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == "depth_pays.sh: AVERAGE must be a positive integer, got '0'"
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()

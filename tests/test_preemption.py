@@ -231,6 +231,23 @@ def test_requeue_wrapper_reruns_a_deepspeed_launch_stopped_by_a_signal(tmp_path,
     _same_as_reference(run, slurm_reference, what)
 
 
+def test_requeue_wrapper_checks_max_requeues_before_running_anything(tmp_path):
+    """--max-requeues that is not a non-negative integer is refused before the first attempt (it
+    used to be compared only after it, where `[` failed and the requeues went on unbounded); a
+    valid cap ends the loop with 75."""
+    runs = tmp_path / "runs"
+    cmd = ["bash", "-c", f'echo x >> "{runs}"; exit {REQUEUE}']
+    for bad in ("abc", "-1", "1e3", "", "1234567890"):
+        r = subprocess.run(["bash", str(REPO / "launch/requeue.sh"), "--max-requeues", bad, *cmd],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 2 and not runs.exists(), (bad, r.returncode, r.stderr)
+        assert r.stderr == f"error: --max-requeues: expected a non-negative integer (at most 9 digits), got '{bad}'\n"
+    r = subprocess.run(["bash", str(REPO / "launch/requeue.sh"), "--max-requeues", "1", *cmd],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == REQUEUE and runs.read_text() == "x\nx\n", r.stderr
+    assert "giving up (--max-requeues 1)" in r.stderr
+
+
 def test_a_signal_to_the_requeue_wrapper_stops_the_run_after_a_checkpoint(tmp_path, data_dir):
     """SIGTERM to launch/requeue.sh itself (its caller wants the run to end): every process of the
     attempt gets SIGTERM, the ranks save at the next update boundary, the wrapper waits until the

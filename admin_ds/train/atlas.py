@@ -57,6 +57,10 @@ from admin_ds.errors import ConfigError, UserError
 from admin_ds.model.analysis import INIT_VARIANTS
 
 STALL_MARGIN_BITS = 0.5
+# What each cell sets after the extra settings (AtlasGrid.overrides): an extra setting of one of
+# these would be silently replaced.
+CELL_KEYS = ("data.path", "train.run_dir", "model.init", "model.norm_order", "model.num_encoder_layers",
+             "model.num_decoder_layers", "optim.lr", "optim.warmup_updates", "train.seed", "engine.pipeline_stages")
 OUTCOMES = ("trained", "stalled", "diverged", "failed", "unfinished")
 CELLS_DIR = "cells"
 
@@ -164,6 +168,22 @@ class AtlasGrid:
             raise ConfigError(f"the grid names cell {twice[0]} more than once: a value is repeated in --inits, "
                               "--depths, --lrs or --warmups (1e-3 and 0.001 are the same rate)")
         return self
+
+    def check_settings(self) -> None:
+        """Before any work: no extra setting names what a cell sets, every cell's command line
+        passes the training's own checks, and the engine JSON reads. A mistake here would
+        otherwise fail every cell, one by one, after the data preparation."""
+        from admin_ds.train import ds_config
+        from admin_ds.train.run_config import load_run_config
+
+        for arg in self.extra:
+            key = arg[2:].split("=", 1)[0]
+            if key in CELL_KEYS:
+                raise ConfigError(f"{arg}: the atlas sets {key} in each cell (--inits, --depths, --lrs, --warmups, "
+                                  "--seeds, --pipeline-from, --out, --data); use those options")
+        for cell in {c.stages: c for c in self.cells()}.values():  # a one-rank and a pipeline cell
+            load_run_config(None, self.overrides(cell, Path("data"), Path("cell"))[2:])
+        ds_config.check_types(ds_config.read(self.deepspeed_config), self.deepspeed_config)
 
     def cells(self) -> list[Cell]:
         """Every combination, shallow to deep, each init at each setting and seed in turn."""

@@ -234,6 +234,22 @@ def read_manifest(data_dir: Path, rank: int, reverse: bool = False) -> dict:
     return reversed_manifest(result) if reverse else result
 
 
+def check_splits(run: RunConfig, data_dir: Path, manifest: dict, bleu: bool) -> None:
+    """``data.valid_split`` (and ``data.test_split``, if the final evaluation decodes it) name
+    splits of the data directory, with text files where BLEU decodes them: otherwise the first
+    validation, or the final evaluation after the whole run, would be the first to find out."""
+    wanted = [("data.valid_split", run.data.valid_split, bleu and bool(run.train.bleu_interval_updates))]
+    if bleu and run.train.final_eval:
+        wanted.append(("data.test_split", run.data.test_split, True))
+    for name, split, decoded in wanted:
+        if split not in manifest["splits"]:
+            raise ConfigError(f"{name}: {data_dir} has no split {split!r}; it has {', '.join(manifest['splits'])}")
+        missing = [data_dir / f"{split}.{lang}" for lang in (manifest["src_lang"], manifest["tgt_lang"])
+                   if not (data_dir / f"{split}.{lang}").is_file()]
+        if decoded and missing:
+            raise ConfigError(f"{name}: BLEU on {split!r} reads the text {missing[0]}, which does not exist")
+
+
 def write_configs(run_dir: Path, run: RunConfig, ds: dict) -> None:
     """The resolved run config and engine config, as the run uses them (rank 0)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -294,6 +310,7 @@ class Training:
 
         self.data_dir = data_directory(run, self.run_dir, self.rank, self.log)
         self.manifest = read_manifest(self.data_dir, self.rank, run.data.reverse)
+        check_splits(run, self.data_dir, self.manifest, bleu=self.bleu_tools is not None)
         self.cfg = run.model.build(vocab_size=self.manifest["vocab_size"])
         self.given_profile = given_profile(run.admin.profile, self.cfg)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", run.train.keep_last, self.log.info,
