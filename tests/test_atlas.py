@@ -218,9 +218,14 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
 def test_a_cell_that_fails_with_an_error_fails_the_command(tmp_path):
     """A cell's error (here: a validation split the data does not have, found by the training at
     set-up) is no outcome of the grid: the report names it and the command exits 1."""
-    out = tmp_path / "atlas"
-    proc = atlas("--raw-dir", DATA / "multi30k", "--vocab-size", 1000, "--out", out, "--inits", "post", "--depths", 1,
-                 "--lrs", 1e-3, "--updates", 1, "--output-change-seeds", 0, "--data.valid_split=nope")
+    from data_prep.prepare import main as prepare
+
+    data, out = tmp_path / "m30k", tmp_path / "atlas"  # Multi30k's validation set as a small corpus
+    assert prepare(["en-de", str(data), "--raw-dir", str(DATA / "multi30k"), "--train-prefix", "val",
+                    "--valid-prefix", "val", "--test-prefix", "test_2016_flickr", "--vocab-size", "500",
+                    "--workers", "1", "--quiet"]) == 0
+    proc = atlas("--data", data, "--out", out, "--inits", "post", "--depths", 1, "--lrs", 1e-3, "--updates", 1,
+                 "--output-change-seeds", 0, "--data.valid_split=nope")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == ("error: 1 cell(s) failed with an error (post_1L-1L_lr0.001_wu100); "
                                                     "see their train.log")
