@@ -26,9 +26,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from admin_ds.arguments import float_in, int_in, output_dir
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout's admin_ds, whatever the environment installs
+from admin_ds.arguments import float_in, int_in, output_dir  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -165,6 +165,43 @@ def test_seeds_and_pipeline_cells():
     assert "--engine.pipeline_stages=2" in atlas.command(deep)
 
 
+def test_the_atlas_and_its_cells_run_this_checkouts_code(tmp_path, monkeypatch):
+    """The command in a second checkout (a worktree pinned to a commit, say) imports that
+    checkout's admin_ds, not the environment's editable install of this one; and its cells run the
+    code it imported, even with another admin_ds first on PYTHONPATH: an atlas pinned to a commit
+    trains that commit."""
+    import shutil
+
+    import admin_ds
+    from admin_ds.train.atlas import Atlas
+
+    other = tmp_path / "other_checkout"
+    shutil.copytree(REPO / "admin_ds", other / "admin_ds", ignore=shutil.ignore_patterns("__pycache__"))
+    (other / "launch").mkdir()
+    shutil.copy(REPO / "launch" / "atlas.py", other / "launch")
+    with open(other / "admin_ds" / "arguments.py", "a") as f:
+        f.write("\nprint('the other checkout')\n")
+    help_ = subprocess.run([sys.executable, str(other / "launch" / "atlas.py"), "--help"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert help_.returncode == 0 and help_.stdout.startswith("the other checkout"), help_.stdout[:200] + help_.stderr
+
+    decoy = tmp_path / "decoy"
+    (decoy / "admin_ds").mkdir(parents=True)
+    (decoy / "admin_ds" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(decoy))
+    cell_script = tmp_path / "cell.py"  # stands in for train.py: says which admin_ds a cell imports
+    cell_script.write_text("import json, pathlib, sys, admin_ds\n"
+                           "run = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('--train.run_dir='))\n"
+                           "pathlib.Path(run, 'summary.json').write_text(json.dumps(admin_ds.__file__))\n")
+    grid = AtlasGrid.for_scale("cpu", inits=["admin"], depths=["2"], lrs=[1e-3])
+    atlas = Atlas.__new__(Atlas)
+    atlas.grid, atlas.data_dir, atlas.out, atlas.log = grid, tmp_path, tmp_path / "atlas", lambda _: None
+    atlas.train_command, atlas.cells = [sys.executable, str(cell_script)], grid.cells()
+    assert atlas.run(poll_s=0.05) == {"admin_2L-2L_lr0.001_wu100": 0}
+    imported = json.loads((atlas.cell_dir(grid.cells()[0]) / "summary.json").read_text())
+    assert imported == admin_ds.__file__
+
+
 def test_curves_keep_the_last_value_of_a_repeated_update():
     """A run resumed from its update-2 checkpoint logs updates 3 and 4 again: one value each, the
     later one; the outcome is read from that curve."""

@@ -314,6 +314,9 @@ def unigram_bits(data_dir: Path) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
+CODE_ROOT = Path(__file__).resolve().parents[2]  # the checkout whose admin_ds is running
+
+
 def is_done(run_dir: Path) -> bool:
     return (run_dir / "summary.json").is_file()
 
@@ -371,6 +374,9 @@ class Atlas:
                 d = self.cell_dir(cell)
                 d.mkdir(parents=True, exist_ok=True)
                 env = dict(os.environ)
+                # The cells run the code this atlas imported, not whatever `admin_ds` the environment
+                # installs (an editable install of another checkout would otherwise win).
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CODE_ROOT), env.get("PYTHONPATH")) if p)
                 if gpus:
                     env["CUDA_VISIBLE_DEVICES"] = str(gpus[slot % len(gpus)])
                 elif (jobs > 1 or cell.stages > 1) and "OMP_NUM_THREADS" not in os.environ:
