@@ -26,9 +26,20 @@ import shlex
 import sys
 from pathlib import Path
 
+import admin_ds
+from admin_ds.arguments import float_in, int_in, output_dir
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # this checkout's admin_ds, whatever the environment installs
-from admin_ds.arguments import float_in, int_in, output_dir  # noqa: E402
+
+
+def check_checkout() -> None:
+    """An atlas pinned to a commit (a second checkout) must train that commit, not the admin_ds an
+    environment installs from another checkout."""
+    own, imported = HERE.parent / "admin_ds", Path(admin_ds.__file__).resolve().parent
+    if own.is_dir() and own.resolve() != imported:
+        print(f"error: {HERE / 'atlas.py'} would run the admin_ds of {imported.parent}; install this checkout "
+              f"(bash launch/setup_env.sh) or run with PYTHONPATH={HERE.parent}", file=sys.stderr)
+        sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    check_checkout()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = build_parser().parse_known_args(argv)
     from admin_ds.errors import UserError

@@ -166,10 +166,11 @@ def test_seeds_and_pipeline_cells():
 
 
 def test_the_atlas_and_its_cells_run_this_checkouts_code(tmp_path, monkeypatch):
-    """The command in a second checkout (a worktree pinned to a commit, say) imports that
-    checkout's admin_ds, not the environment's editable install of this one; and its cells run the
+    """The command in a second checkout (a worktree pinned to a commit, say) refuses to run the
+    environment's admin_ds from another checkout, and runs its own when told to; its cells run the
     code it imported, even with another admin_ds first on PYTHONPATH: an atlas pinned to a commit
     trains that commit."""
+    import os
     import shutil
 
     import admin_ds
@@ -181,9 +182,13 @@ def test_the_atlas_and_its_cells_run_this_checkouts_code(tmp_path, monkeypatch):
     shutil.copy(REPO / "launch" / "atlas.py", other / "launch")
     with open(other / "admin_ds" / "arguments.py", "a") as f:
         f.write("\nprint('the other checkout')\n")
-    help_ = subprocess.run([sys.executable, str(other / "launch" / "atlas.py"), "--help"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
-    assert help_.returncode == 0 and help_.stdout.startswith("the other checkout"), help_.stdout[:200] + help_.stderr
+    command = [sys.executable, str(other / "launch" / "atlas.py"), "--out", tmp_path / "o", "--data", tmp_path]
+    refused = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and f"PYTHONPATH={other}" in refused.stderr, refused.stderr
+    assert not (tmp_path / "o").exists()
+    pinned = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(other)})
+    assert pinned.stdout.startswith("the other checkout") and "would run the admin_ds" not in pinned.stderr
 
     decoy = tmp_path / "decoy"
     (decoy / "admin_ds").mkdir(parents=True)
