@@ -54,7 +54,8 @@ def float_in(low: Optional[float] = None, high: Optional[float] = None, low_open
         if bad:
             lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
             hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
-            raise argparse.ArgumentTypeError(f"must be a number {' and '.join(x for x in (lo, hi) if x)}, got {text}")
+            bounds = " and ".join(x for x in (lo, hi) if x)
+            raise argparse.ArgumentTypeError(f"must be a finite number{' ' + bounds if bounds else ''}, got {text}")
         return value
     parse.__name__ = "number"
     return parse

@@ -414,6 +414,8 @@ CASES = [
     Case("input-missing", "translate", lambda c: ["--checkpoint", c.model, "--input", c.tmp / "x.txt"], ("--input", "x.txt")),
     Case("input-directory", "translate", lambda c: ["--checkpoint", c.model, "--input", c.tmp], ("--input", "directory")),
     Case("beam-0", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--beam", "0"], ("--beam",)),
+    Case("lenpen-nan", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--lenpen", "nan"],
+         ("--lenpen", "must be a finite number, got nan")),
     Case("temperature-0", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--method", "sample",
                                                  "--temperature", "0"], ("--temperature",)),
     Case("topp-2", "translate", lambda c: ["--checkpoint", c.model, "--input", c.text, "--topp", "2"], ("--topp",)),
