@@ -17,7 +17,7 @@
 # VALID_EVERY (updates, 160), AVERAGE (checkpoints of lowest validation loss averaged, 5), DS_CONFIG (the engine config,
 # ds_configs/zero1.json; ds_configs/zero1_bf16.json trains 1.6-2x faster on a CPU with AMX, e.g. Intel
 # Sapphire Rapids, 1.3-1.4x on an AMD EPYC with AVX-512 BF16, or on a bf16 GPU: BENCHMARKS.md; in bf16 on
-# a CPU, preload tcmalloc for 1.45x more: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4).
+# a CPU, preload tcmalloc as well: docs/training.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAW=${1:?usage: bash launch/depth_pays.sh RAW_DIR [OUT] [DEPTH ...]}

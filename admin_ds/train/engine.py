@@ -71,8 +71,8 @@ def heap_trimmer(precision: str) -> Callable[[], object]:
     (3.9 without) for 18% of its speed (bf16 still trains at 1.6-2x fp32's speed; BENCHMARKS.md).
     fp32 runs do not grow so and are left alone. ``MALLOC_TRIM_THRESHOLD_`` or
     ``MALLOC_MMAP_THRESHOLD_`` also bound the heap, at a third of the speed. Faster still is to
-    preload tcmalloc, which neither fragments nor hands pages back (1.45x in bf16 on an AMD EPYC,
-    BENCHMARKS.md); the trim then finds glibc's heap empty."""
+    preload tcmalloc, which neither fragments nor hands pages back (docs/training.md); the trim
+    then finds glibc's heap unused."""
     if on_cpu() and precision in ("bf16", "fp16"):
         trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
         if trim is not None:
