@@ -147,6 +147,38 @@ def test_keep_best_keeps_and_averages_the_checkpoints_of_lowest_validation_loss(
     assert load_model_file(out).meta["averaged_tags"] == [f"update_{u:06d}" for u in best]
 
 
+def test_bf16_zero1_checkpoint_gives_its_fp32_master_weights(tmp_path):
+    """bf16 with ZeRO-1 (ds_configs/zero1_bf16.json) trains with DeepSpeed's BF16_Optimizer, whose
+    checkpoints DeepSpeed's zero_to_fp32 refuses. Trained on 2 data-parallel ranks (each holds half
+    of the fp32 master weights), the checkpoint loads whole, its weights are fp32 values that round
+    to exactly the module's bf16 copy DeepSpeed saved beside them (an independent record), and
+    averaging and translating it work."""
+    from admin_ds import safe_load
+
+    run = tmp_path / "run"
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()))
+    ok(cli("train.py", "--deepspeed_config", REPO / "ds_configs/zero1_bf16.json", f"--train.run_dir={run}",
+           "--data.default_pairs=600", "--data.default_vocab_size=400", "--data.max_tokens=1024",
+           "--optim.warmup_updates=2", "--optim.lr=3e-3", "--train.max_updates=6",
+           "--train.save_interval_updates=3", "--train.final_eval=false", launcher=launcher))
+    tag = run / "checkpoints" / "update_000006"
+    assert len(list(tag.glob("bf16_zero_pp_rank_*_optim_states.pt"))) == 2
+    mf = load_run_checkpoint(run)
+    module = safe_load.load(tag / "mp_rank_00_model_states.pt")["module"]
+    assert mf.meta["update"] == 6 and set(mf.state_dict) == set(module)
+    for name, saved in module.items():
+        assert mf.state_dict[name].dtype == torch.float32
+        assert torch.equal(mf.state_dict[name].to(saved.dtype), saved), name
+    # fp32 values, not the bf16 copy: most differ from it
+    differ = sum((mf.state_dict[n] != module[n].float()).sum().item() for n in module)
+    assert differ > sum(t.numel() for t in module.values()) // 2
+    out = tmp_path / "last2.pt"
+    ok(cli("average_checkpoints.py", "--run", run, "--last", 2, "--out", out))
+    src = tmp_path / "src.txt"
+    src.write_text("a b c\nd e\n")
+    assert len(ok(cli("translate.py", "--checkpoint", out, "--input", src, "--quiet")).splitlines()) == 2
+
+
 # ---- (b) translate.py ----------------------------------------------------------------------------
 
 

@@ -18,7 +18,10 @@ weights come from DeepSpeed's own consolidation, which knows every layout it wri
 
 * ZeRO-1/2/3 (data parallel, any world size): ``deepspeed.utils.zero_to_fp32.
   get_fp32_state_dict_from_zero_checkpoint`` merges the fp32 master partitions of all ranks
-  (in bf16/fp16 runs too: the masters, not the 16-bit module copy).
+  (in bf16/fp16 runs too: the masters, not the 16-bit module copy). One exception: bf16 with
+  ZeRO-1 trains with DeepSpeed's BF16_Optimizer, whose states that function refuses ("... is not
+  a zero checkpoint"; DeepSpeed 0.19.8); ``_zero_weights`` joins its fp32 master partitions by
+  their ``param_slice_mappings``.
 * ZeRO-0: that function refuses (``TypeError``: the checkpoint has no ``param_shapes``; checked with
   DeepSpeed 0.19.8), because nothing is partitioned: the full model is the ``module`` entry of
   ``mp_rank_00_model_states.pt``. In an fp32 run it *is* the fp32 weights. In a bf16/fp16 run it
@@ -334,10 +337,7 @@ def _load_run_checkpoint(path: Path, tag: Optional[str], trust_unverified: bool)
     if layout.get("pipeline", 1) > 1:
         weights, how = _pipeline_weights(tag_dir, model_config, client.get("profile"))
     elif layout.get("zero", 0) >= 1:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-        how = "deepspeed zero_to_fp32"
+        weights, how = _zero_weights(ckpt_dir, tag, states)
     else:
         weights, how = _zero0_weights(states, model_config, states_file)
     del states  # the optimizer state of a ZeRO-0 checkpoint can be large
@@ -353,6 +353,40 @@ def _load_run_checkpoint(path: Path, tag: Optional[str], trust_unverified: bool)
                      state_dict={k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
                      profile=client.get("profile"), run_config=run_config,
                      subword_model_bytes=spm_bytes, meta=meta)
+
+
+def _zero_weights(ckpt_dir: Path, tag: str, states: dict) -> tuple[dict, str]:
+    """fp32 weights of a ZeRO checkpoint: DeepSpeed's zero_to_fp32, except for bf16 with ZeRO-1.
+    That pairing trains with DeepSpeed's BF16_Optimizer, whose states zero_to_fp32 refuses ("... is
+    not a zero checkpoint"); its fp32 master partitions are put back together here, each parameter
+    from its slice on every data-parallel rank (``param_slice_mappings``)."""
+    files = sorted((ckpt_dir / tag).glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda f: int(f.name.split("_")[4]))  # bf16_zero_pp_rank_{R}_mp_rank_00_...
+    optim = [safe_load.load(f)["optimizer_state_dict"] for f in files[:1]]
+    if not optim or "zero_stage" in optim[0] or "param_slice_mappings" not in optim[0]:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag), "deepspeed zero_to_fp32"
+    optim += [safe_load.load(f)["optimizer_state_dict"] for f in files[1:]]
+    shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
+    pieces: dict[str, list] = {name: [] for name in shapes}
+    for rank in optim:  # in rank order, so that a parameter's slices concatenate in order
+        for flat, mapping in zip(rank["single_partition_of_fp32_groups"], rank["param_slice_mappings"]):
+            for name, where in mapping.items():
+                pieces[name].append(flat.narrow(0, where.start, where.numel))
+    weights = {}
+    for name, shape in shapes.items():
+        flat = torch.cat(pieces[name]) if pieces[name] else torch.empty(0)
+        if flat.numel() != torch.Size(shape).numel():
+            raise ModelFileError(f"{ckpt_dir / tag}: parameter {name} has {flat.numel()} of its "
+                                 f"{torch.Size(shape).numel()} values in {len(files)} bf16 optimizer-state "
+                                 "file(s): a rank's file is missing")
+        weights[name] = flat.view(shape).clone()
+    module = states["module"]
+    weights.update({name: module[name] for name in states.get("buffer_names", []) if name in module})
+    weights.update({name: weights[source] for name, source in states.get("shared_params", {}).items()
+                    if source in weights})
+    return weights, "bf16 optimizer fp32 partitions"
 
 
 def load_any(path: str | os.PathLike, tag: Optional[str] = None, trust_unverified: bool = False) -> ModelFile:
