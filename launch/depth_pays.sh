@@ -77,13 +77,14 @@ for depth in "${DEPTHS[@]}"; do
     hyps+=("$hyp")
 done
 
-echo "[depth] what each model cost (its summary.json; CPU hours: every rank's process, over all resumes)"
+echo "[depth] what each model cost (its summary.json, over all resumes; CPU hours: every rank's process)"
 for hyp in "${hyps[@]}"; do
     python - "$(dirname "$hyp")/summary.json" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: {s.get('parameters', 0) / 1e6:.1f}M parameters, {s['updates']} updates, converged "
-      f"{s.get('converged')}, best validation loss {s.get('best_valid_loss')}, {s.get('cpu_hours', 'unrecorded')} CPU hours")
+      f"{s.get('converged')}, best validation loss {s.get('best_valid_loss')}, {s.get('cpu_hours', 'unrecorded')} CPU hours, "
+      f"{s.get('wall_hours', 'unrecorded')} hours")
 PY
 done
 runs=(); for hyp in "${hyps[@]}"; do runs+=("$(dirname "$hyp")"); done

@@ -179,27 +179,33 @@ def test_a_resumed_run_keeps_the_random_numbers_its_checkpoint_was_trained_with(
     assert control[3] == pytest.approx(ref[3], rel=1e-6) and control[4] != pytest.approx(ref[4], rel=1e-4)
 
 
-def test_the_run_cost_counts_the_process_cpu_time_across_a_resume(tmp_path, data_dir):
+def test_the_run_cost_counts_the_process_time_across_a_resume(tmp_path, data_dir):
     """summary.json's cpu_hours is the run's CPU time: for a fresh run, what the OS charged the
     training process (resource.getrusage of the finished child); for a resumed one, that plus the
-    checkpoint's total, so a run's cost survives its interruptions."""
-    def child_cpu_s(run_dir, updates):
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    checkpoint's total, so a run's cost survives its interruptions. wall_hours likewise: what a
+    resume adds lies between that invocation's training loop (its train_s) and the child's life."""
+    def child_s(run_dir, updates):
+        before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
         _train_cli(run_dir, data_dir, updates)
+        wall = time.monotonic() - t0
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, wall
 
     def cost_s(run_dir):
-        return json.loads((run_dir / "summary.json").read_text())["cpu_hours"] * 3600
+        summary = json.loads((run_dir / "summary.json").read_text())
+        return summary["cpu_hours"] * 3600, summary["wall_hours"] * 3600, summary["train_s"]
 
     run = tmp_path / "run"
-    first = child_cpu_s(run, 3)
-    charged = cost_s(run)
+    first, first_wall = child_s(run, 3)
+    charged, charged_wall, first_train = cost_s(run)
     after_summary = first - charged  # the process's teardown and exit, after its summary
     assert 0 <= after_summary < 0.5 * first
-    second = child_cpu_s(run, 5)  # resumes from update 3
-    added = cost_s(run) - charged  # without the checkpoint's total, this would be short by `charged`
+    assert first_train <= charged_wall + 0.1 and charged_wall < first_wall
+    second, second_wall = child_s(run, 5)  # resumes from update 3
+    cpu, wall, second_train = cost_s(run)
+    added = cpu - charged  # without the checkpoint's total, this would be short by `charged`
     assert added == pytest.approx(second - after_summary, abs=0.4 * charged)
+    assert second_train - 0.1 <= wall - charged_wall < second_wall
 
 
 def test_the_engine_choices_left_to_the_system():

@@ -58,13 +58,18 @@ class TrainState:
     sentences_seen: int = 0
     best_valid_loss: Optional[float] = None  # train.patience: the best validation loss so far
     valids_since_best: int = 0               # and the validations since it
-    cpu_s: float = 0.0  # the run's cost: CPU time of every rank's process, summed over resumes
+    cpu_s: float = 0.0   # the run's cost: CPU time of every rank's process, summed over resumes
+    wall_s: float = 0.0  # and its wall-clock time from each trainer's start (mean over ranks), summed over resumes
 
-    def charge_cpu(self, since: float) -> float:
-        """Add every rank's process CPU time after ``since`` (``time.process_time()``; 0: the
-        process's start) to ``cpu_s``; returns the new mark. Collective."""
-        now = time.process_time()
-        self.cpu_s += float(distributed.all_reduce_sum(torch.tensor([now - since], dtype=torch.float64))[0])
+    def charge(self, since: tuple[float, float]) -> tuple[float, float]:
+        """Add the time after the mark ``since``, ``(time.process_time(), time.monotonic())``, to
+        ``cpu_s`` (every rank's, summed) and ``wall_s`` (the ranks' mean); returns the new mark.
+        Collective."""
+        now = (time.process_time(), time.monotonic())
+        spent = torch.tensor([now[0] - since[0], now[1] - since[1]], dtype=torch.float64)
+        cpu, wall = distributed.all_reduce_sum(spent).tolist()
+        self.cpu_s += cpu
+        self.wall_s += wall / distributed.world_size()
         return now
 
     def note_validation(self, loss: float) -> None:
@@ -337,7 +342,9 @@ class Training:
             self.log.info(f"[data] dropped {self.iterator.dropped} training pairs longer than "
                           f"{min(run.data.max_positions, cfg.max_positions)} tokens")
         self.state = TrainState()
-        self.cpu_mark = 0.0  # the process's CPU time charged to the run so far (TrainState.charge_cpu)
+        # The process's CPU time (from its start) and the wall-clock time (from here) charged to the
+        # run so far (TrainState.charge).
+        self.cost_mark = (0.0, time.monotonic())
         self.saved_update: Optional[int] = None
         self.last_valid: tuple[int, float] = (-1, math.nan)  # (update, loss) of the last validation
         self.profile: Optional[Profile] = None
@@ -397,7 +404,7 @@ class Training:
     def save(self) -> None:
         t0 = time.perf_counter()
         self.watchdog.mark(f"checkpoint {self.state.update}")
-        self.cpu_mark = self.state.charge_cpu(self.cpu_mark)
+        self.cost_mark = self.state.charge(self.cost_mark)
         at, loss = self.last_valid
         tag = self.checkpoints.save(self.runner.engine, self.state.update, self.client_state(),
                                     valid_loss=loss if at == self.state.update else None)
@@ -413,10 +420,10 @@ class Training:
             diff = [k for k in saved.to_dict() if saved.to_dict()[k] != self.cfg.to_dict()[k]]
             raise ConfigError(f"{self.checkpoints.dir / plan.tag}: the checkpoint's model differs from the run "
                               f"config in model.{', model.'.join(diff)}; use a new train.run_dir or the same model")
-        spent = self.state.cpu_s  # a rollback still paid for the updates it discards
+        spent = self.state.cpu_s, self.state.wall_s  # a rollback still paid for the updates it discards
         self.state = TrainState(**client["train_state"])
         if rollback:
-            self.state.cpu_s = spent
+            self.state.cpu_s, self.state.wall_s = spent
         self.saved_update = self.state.update
         if not rollback:
             self.iterator.load_state_dict(client["data_state"])
@@ -556,9 +563,10 @@ class Training:
         return {"updates": u, "stopped_by": signals, "requeue": True}
 
     def _finish(self, train_s: float, last: dict) -> dict:
-        self.cpu_mark = self.state.charge_cpu(self.cpu_mark)
+        self.cost_mark = self.state.charge(self.cost_mark)
         summary = {"updates": self.state.update, "epoch": self.state.epoch, "tokens_seen": self.state.tokens_seen,
-                   "train_s": round(train_s, 1), "cpu_hours": round(self.state.cpu_s / 3600, 6),
+                   "train_s": round(train_s, 1), "wall_hours": round(self.state.wall_s / 3600, 6),
+                   "cpu_hours": round(self.state.cpu_s / 3600, 6),
                    "parameters": _whole_model_parameters(self.cfg),
                    "last_train_loss": last.get("loss")}
         if self.run.train.patience is not None:
