@@ -177,7 +177,7 @@ def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, re
                   save: bool = False) -> dict:
     """Profile (or resume), run ``updates`` updates (then save, if asked); report losses, grad
     norms, skipped steps (and which the guard would count as non-finite), fp16 loss scales, peak GPU memory, omega, and per-parameter checksums of
-    the whole model's state (rank 0)."""
+    the whole model's state (rank 0): each parameter's sum and sum of magnitudes."""
     import torch
 
     t = _training(run_overrides, ds, tmp)
@@ -202,11 +202,13 @@ def train_updates(run_overrides: list[str], ds: dict, tmp: str, updates: int, re
         names = [n for n, _ in engine.module.named_parameters() if n.endswith("omega")]
         vals = read_params(engine, names)
         omega = {n: [lp.tolist(), None if hp is None else hp.tolist()] for n, (lp, hp) in vals.items()}
-    params = _checksums(t.runner.state_dict())
+    state = t.runner.state_dict()
+    params = _checksums(state)
+    magnitudes = None if state is None else {n: v.double().abs().sum().item() for n, v in state.items()}
     if save:
         t.save()
     return {"losses": losses, "grad_norms": norms, "profile": _profile(t), "omega": omega, "params": params,
-            "resumed": resumed, "update": t.state.update, "skipped": skipped, "loss_scales": scales,
+            "magnitudes": magnitudes, "resumed": resumed, "update": t.state.update, "skipped": skipped, "loss_scales": scales,
             "peak_mem": peak_mem, "nonfinite": nonfinite}
 
 

@@ -130,10 +130,12 @@ def test_cost_balanced_partition_of_60L_12L():
         assert parts[0] == 0 and parts[-1] == len(kinds)
 
 
-def test_pipeline_checkpoint_averages_and_exports_like_data_parallel(tmp_path, data_dir):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pipeline_checkpoint_averages_and_exports_like_data_parallel(tmp_path, data_dir, precision):
     """A pipeline checkpoint is read through DeepSpeed's universal converter into the single-device
-    model's names: its weights equal the ones gathered from the stages at save time, and
-    average_checkpoints.py / translate.py work from the run directory."""
+    model's names: its weights equal the ones gathered from the stages at save time (in bf16, the
+    fp32 masters those bf16 weights round from), and average_checkpoints.py / translate.py work
+    from the run directory."""
     import subprocess
     import sys
 
@@ -141,13 +143,19 @@ def test_pipeline_checkpoint_averages_and_exports_like_data_parallel(tmp_path, d
     from distributed import REPO
 
     run = tmp_path / "run"
-    saved = spawn(2, "train_updates", tmp_path / "out", run_overrides=overrides(run, data_dir), ds=PIPE,
+    ds = dict(PIPE, bf16={"enabled": True}) if precision == "bf16" else PIPE
+    saved = spawn(2, "train_updates", tmp_path / "out", run_overrides=overrides(run, data_dir), ds=ds,
                   tmp=str(tmp_path), updates=2, save=True)[0]
     mf = load_run_checkpoint(run)
     assert mf.meta["weights_from"] == "deepspeed universal checkpoint (pipeline)"
+    assert mf.meta["layout"]["precision"] == precision
     assert set(mf.state_dict) == set(saved["params"])
+    # bf16 keeps 8 significant bits: each weight is within 2^-8 of its own size of its fp32 master
+    rel = 2.0 ** -8 if precision == "bf16" else 1e-6
     for name, checksum in saved["params"].items():
-        assert mf.state_dict[name].double().sum().item() == pytest.approx(checksum, rel=1e-6, abs=1e-9), name
+        loaded = mf.state_dict[name]
+        assert loaded.dtype == torch.float32, name
+        assert abs(loaded.double().sum().item() - checksum) <= rel * saved["magnitudes"][name] + 1e-9, name
     out = subprocess.run([sys.executable, str(REPO / "launch/average_checkpoints.py"), "--run", str(run), "--last", "1",
                           "--out", str(tmp_path / "avg.pt")], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
