@@ -84,7 +84,7 @@ import json, sys
 s = json.load(open(sys.argv[1]))
 print(f"{sys.argv[1]}: {s.get('parameters', 0) / 1e6:.1f}M parameters, {s['updates']} updates, converged "
       f"{s.get('converged')}, best validation loss {s.get('best_valid_loss')}, {s.get('cpu_hours', 'unrecorded')} CPU hours, "
-      f"{s.get('wall_hours', 'unrecorded')} hours")
+      f"{s.get('wall_hours', 'unrecorded')} hours of wall time")
 PY
 done
 runs=(); for hyp in "${hyps[@]}"; do runs+=("$(dirname "$hyp")"); done
